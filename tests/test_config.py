@@ -1,0 +1,81 @@
+"""Config composition: YAML + --set overrides, unknown keys, types and cross-section rules."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from data.config import ConfigError
+from launch.config import load_config, save_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def write(tmp_path, text, name="c.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_tiny_config_loads_and_overrides_apply(tmp_path):
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", ["workdir=/tmp/x", "data.corpus=my.jsonl",
+                                                      "data.chunk_len=32", "data.validation_fraction=0.1"])
+    assert cfg.workdir == "/tmp/x" and cfg.data.corpus == "my.jsonl"
+    assert cfg.data.chunk_len == 32 and cfg.data.validation_fraction == 0.1
+    assert cfg.data_dir == Path("/tmp/x/data")
+
+
+def test_unknown_key_names_key_and_file(tmp_path):
+    path = write(tmp_path, "data:\n  chunk_lenn: 64\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert "data.chunk_lenn" in str(e.value) and str(path) in str(e.value)
+
+
+def test_unknown_section_and_override_are_rejected(tmp_path):
+    with pytest.raises(ConfigError, match="unknown section"):
+        load_config(write(tmp_path, "dataa: {}\n"))
+    with pytest.raises(ConfigError, match="data.nope"):
+        load_config(None, ["data.nope=1"])
+    with pytest.raises(ConfigError, match="section.key=value"):
+        load_config(None, ["data.chunk_len"])
+
+
+def test_wrong_type_names_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"data.chunk_len.*expected int"):
+        load_config(write(tmp_path, "data:\n  chunk_len: sixty-four\n"))
+    with pytest.raises(ConfigError, match=r"data.num_workers.*expected int"):
+        load_config(None, ["data.num_workers=true"])
+
+
+def test_impossible_values_say_why(tmp_path):
+    with pytest.raises(ConfigError, match=r"train.seq_len.*not a multiple of data.chunk_len"):
+        load_config(None, ["train.seq_len=100", "data.chunk_len=64"])
+    with pytest.raises(ConfigError, match=r"data.on_bad_record.*'error' or 'skip'"):
+        load_config(None, ["data.on_bad_record=ignore"])
+    with pytest.raises(ConfigError, match="data.validation_fraction"):
+        load_config(None, ["data.validation_fraction=1.5"])
+
+
+def test_resolved_config_is_written(tmp_path):
+    cfg = load_config(None, ["data.chunk_len=32", "train.seq_len=128"])
+    out = save_config(cfg, tmp_path / "stage")
+    again = load_config(out)
+    assert again == cfg
+
+
+def test_cli_reports_config_error_with_nonzero_exit(tmp_path):
+    path = write(tmp_path, "data:\n  bogus: 1\n")
+    proc = subprocess.run([sys.executable, "launch/prepare_data.py", "--config", str(path),
+                           "--set", f"workdir={tmp_path}"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "data.bogus" in proc.stderr and str(path) in proc.stderr
+    assert not (tmp_path / "data").exists()
+
+
+def test_chunk_len_has_one_source_of_truth():
+    cfg = load_config(None, ["data.chunk_len=32", "train.seq_len=128"])
+    assert cfg.model.chunk_len == 32
+    with pytest.raises(ConfigError, match="set data.chunk_len instead"):
+        load_config(None, ["model.chunk_len=16"])
