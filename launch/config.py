@@ -106,6 +106,26 @@ def _parse_override(text: str) -> tuple[list[str], object]:
     return key.strip().split("."), yaml.safe_load(raw) if raw != "" else ""
 
 
+def _read_yaml(path: Path, seen: tuple = ()) -> dict:
+    """A YAML config, merged over the file its `base:` key names (relative to it), recursively."""
+    raw = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError("<top>", "the file must be a mapping of sections", str(path))
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    base_path = (path.parent / base).resolve()
+    if not base_path.is_file() or base_path in seen:
+        raise ConfigError("base", f"{base_path} is missing or included in a cycle", str(path))
+    merged = _read_yaml(base_path, seen + (base_path,))
+    for key, value in raw.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = {**merged[key], **value}
+        else:
+            merged[key] = value
+    return merged
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequence[str] = ()) -> Config:
     """Load YAML at `path` (or the defaults), apply `--set` overrides, validate, compose."""
     raw: dict = {}
@@ -114,9 +134,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequenc
         text = Path(path).read_text() if Path(path).exists() else None
         if text is None:
             raise ConfigError("--config", f"file not found: {path}")
-        raw = yaml.safe_load(text) or {}
-        if not isinstance(raw, dict):
-            raise ConfigError("<top>", "the file must be a mapping of sections", str(path))
+        raw = _read_yaml(Path(path))
         sources = {k: str(path) for k in raw}
     for item in overrides:
         keys, value = _parse_override(item)
@@ -158,8 +176,9 @@ def _validate_across_sections(cfg: Config, source: str) -> None:
     if cfg.train.seq_len > cfg.model.n_positions:
         raise ConfigError("train.seq_len", f"{cfg.train.seq_len} exceeds model.n_positions "
                           f"({cfg.model.n_positions})", source)
-    if cfg.retrieval.k < 1:
-        raise ConfigError("retrieval.k", "must be >= 1", source)
+    if cfg.model.kind == "retro" and cfg.train.neighbours > cfg.retrieval.k:
+        raise ConfigError("train.neighbours", f"{cfg.train.neighbours} exceeds retrieval.k "
+                          f"({cfg.retrieval.k}), the neighbours stored per chunk", source)
 
 
 def save_config(cfg: Config, out_dir: str | os.PathLike) -> Path:

@@ -7,6 +7,20 @@ from dataclasses import dataclass, field
 from data.config import require
 
 
+# Named model sizes: `--set` a preset's fields, or `ModelConfig.preset("gpt2-124m", kind="retro")`.
+MODEL_PRESETS: dict[str, dict] = {
+    # A few-minute CPU model: 4 layers of width 128 (CCA at layers 2 and 4 for RETRO).
+    "tiny": dict(n_layer=4, n_head=4, n_embd=128, n_positions=1024, encoder_layers=2,
+                 encoder_embd=64, encoder_head=2),
+    # The released GPT-2 small (124,439,808 parameters); RETRO adds CCA at layers 6, 9, 12.
+    "gpt2-124m": dict(n_layer=12, n_head=12, n_embd=768, n_positions=1024, encoder_layers=2,
+                      encoder_embd=384, encoder_head=6),
+    # GPT-2 medium; RETRO adds CCA at layers 9, 12, ..., 24.
+    "gpt2-355m": dict(n_layer=24, n_head=16, n_embd=1024, n_positions=1024, encoder_layers=2,
+                      encoder_embd=512, encoder_head=8),
+}
+
+
 @dataclass
 class ModelConfig:
     # "gpt2" (baseline decoder) or "retro" (decoder + chunked cross-attention over neighbours).
@@ -17,8 +31,7 @@ class ModelConfig:
     n_head: int = 12
     n_embd: int = 768
     dropout: float = 0.0
-    # RETRO only. Layers (1-indexed) holding chunked cross-attention; [] = paper default
-    # (every third layer from 6 for 12-layer models, from 9 for deeper ones).
+    # RETRO only. Layers (1-indexed) holding chunked cross-attention; [] = default, see cca_layers().
     retro_layers: list[int] = field(default_factory=list)
     # Retrieval encoder: bidirectional layers over each neighbour, and their width/heads.
     encoder_layers: int = 2
@@ -26,6 +39,10 @@ class ModelConfig:
     encoder_head: int = 6
     # Tokens per chunk; copied from data.chunk_len by launch/config.py (one source of truth).
     chunk_len: int = 64
+    # RETRO only. Base of the rotary position encoding in the encoder and the CCA.
+    rotary_base: float = 10000.0
+    # RETRO-fit (paper section 4.2): the GPT-2 trunk is frozen; only CCA and encoder train.
+    freeze_trunk: bool = False
 
     def __post_init__(self):
         require(self.kind in ("gpt2", "retro"), "model.kind", f"must be 'gpt2' or 'retro', got {self.kind!r}")
@@ -34,20 +51,96 @@ class ModelConfig:
         require(self.encoder_embd % self.encoder_head == 0, "model.encoder_embd",
                 f"{self.encoder_embd} is not divisible by model.encoder_head ({self.encoder_head})")
         require(self.n_layer >= 1, "model.n_layer", "must be >= 1")
+        require(self.vocab_size >= 1 and self.n_positions >= 1, "model.vocab_size", "vocab_size and n_positions must be >= 1")
         require(0.0 <= self.dropout < 1.0, "model.dropout", "must be in [0, 1)")
+        require(self.chunk_len >= 1, "model.chunk_len", "must be >= 1")
         for layer in self.retro_layers:
             require(1 <= layer <= self.n_layer, "model.retro_layers",
                     f"layer {layer} is outside 1..model.n_layer ({self.n_layer})")
+        require(len(set(self.retro_layers)) == len(self.retro_layers), "model.retro_layers", "has duplicates")
+        if self.kind == "retro":
+            # Rotary encodings rotate pairs of features, so heads need an even width.
+            require((self.n_embd // self.n_head) % 2 == 0, "model.n_head", "RETRO needs an even head width n_embd / n_head")
+            require((self.encoder_embd // self.encoder_head) % 2 == 0, "model.encoder_head",
+                    "RETRO needs an even encoder head width encoder_embd / encoder_head")
+            require(self.encoder_layers >= 1, "model.encoder_layers", "must be >= 1 for RETRO")
+        require(not self.freeze_trunk or self.kind == "retro", "model.freeze_trunk", "only applies to kind 'retro'")
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "ModelConfig":
+        require(name in MODEL_PRESETS, "model.preset", f"unknown preset {name!r} (known: {', '.join(MODEL_PRESETS)})")
+        return cls(**{**MODEL_PRESETS[name], **overrides})
+
+    def cca_layers(self) -> list[int]:
+        """RETRO layers (1-indexed, sorted) holding chunked cross-attention.
+
+        Paper default: every third layer from 6 for 12 layers ({6, 9, 12}), from 9 for deeper
+        models. Below 12 layers: every other layer counting back from the last, down to the
+        middle (n_layer // 2), e.g. {2, 4} for 4 layers, so the first half stays plain decoder.
+        """
+        if self.retro_layers:
+            return sorted(self.retro_layers)
+        if self.n_layer >= 12:
+            return list(range(6 if self.n_layer == 12 else 9, self.n_layer + 1, 3))
+        floor = max(self.n_layer // 2, 1)
+        return sorted(range(self.n_layer, floor - 1, -2))
 
 
 @dataclass
 class TrainConfig:
+    # Run name: the directory <workdir>/runs/<name>; "" = model.kind ("gpt2" or "retro").
+    name: str = ""
     # Tokens per training sequence: a run of seq_len / data.chunk_len consecutive chunks.
     seq_len: int = 256
+    # Sequences per micro-batch per data-parallel rank, and micro-batches per optimizer step
+    # (gradient accumulation; the pipeline's schedule needs several to fill its stages).
+    micro_batch_size: int = 4
+    micro_batches: int = 4
+    # Pipeline stages; the data-parallel degree is world size / pipeline_stages.
+    pipeline_stages: int = 2
+    # How layers are cut into stages: "cost" (estimated FLOPs; RETRO layers weigh more),
+    # "uniform" (layer count) or "parameters".
+    partition: str = "cost"
+    # Optimizer steps; AdamW with linear warmup then cosine decay to min_lr.
+    steps: int = 200
+    lr: float = 1.0e-3
+    min_lr: float = 1.0e-4
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    # "bf16", "fp16" (GPU only), "fp32", or "auto": bf16 where the hardware has bf16 matmuls
+    # (GPUs that support it, CPUs with AVX512-BF16/AMX), else fp32 (CPU bf16 emulation is ~5× slower).
+    precision: str = "auto"
+    # Recompute activations every N layers in backward (0 = off): trades compute for memory.
+    activation_checkpoint_interval: int = 0
+    # Checkpoint every N steps and at the end; keep the newest K.
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 2
+    # Validation loss every N steps (0 = only at the end) over at most eval_batches micro-batches.
+    eval_every: int = 50
+    eval_batches: int = 8
+    # Neighbours per chunk fed to RETRO during training (<= retrieval.k).
+    neighbours: int = 2
+    # RETRO-fit: start from this GPT-2 checkpoint (ours or a Hugging Face directory) and
+    # train only the chunked cross-attention and the encoder.
+    init_from: str = ""
     seed: int = 1234
 
     def __post_init__(self):
         require(self.seq_len >= 1, "train.seq_len", "must be >= 1")
+        for key in ("micro_batch_size", "micro_batches", "pipeline_stages", "steps", "keep_checkpoints",
+                    "checkpoint_every", "neighbours"):
+            require(getattr(self, key) >= 1, f"train.{key}", f"must be >= 1, got {getattr(self, key)}")
+        require(self.partition in ("cost", "uniform", "parameters"), "train.partition",
+                f"must be 'cost', 'uniform' or 'parameters', got {self.partition!r}")
+        require(self.precision in ("auto", "bf16", "fp16", "fp32"), "train.precision",
+                f"must be 'auto', 'bf16', 'fp16' or 'fp32', got {self.precision!r}")
+        require(0 < self.lr and 0 <= self.min_lr <= self.lr, "train.min_lr", "need 0 <= min_lr <= lr, lr > 0")
+        require(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
+        require(self.eval_every >= 0 and self.eval_batches >= 1, "train.eval_every", "eval_every >= 0, eval_batches >= 1")
+        require(self.activation_checkpoint_interval >= 0, "train.activation_checkpoint_interval", "must be >= 0")
 
 
 @dataclass
@@ -57,3 +150,18 @@ class EvalConfig:
 
     def __post_init__(self):
         require(self.stride >= 1, "eval.stride", "must be >= 1")
+
+
+def resolve_precision(precision: str) -> str:
+    """The precision "auto" stands for on this machine; others are returned as they are."""
+    if precision != "auto":
+        return precision
+    import torch
+
+    if torch.cuda.is_available():
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return "fp32"
+    return "bf16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "fp32"

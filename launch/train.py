@@ -1,0 +1,129 @@
+"""Train the GPT-2 baseline or RETRO with DeepSpeed pipeline parallelism.
+
+    deepspeed --num_gpus 2 launch/train.py --config configs/tiny-retro.yaml [--set train.steps=50]
+
+On CPU DeepSpeed runs the processes over gloo; on GPUs over NCCL, multi-node with a hostfile.
+World size = train.pipeline_stages × data-parallel degree. A run resumes from its newest
+checkpoint when rerun, and is skipped once complete (see training/engine.py for the run layout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from data.config import ConfigError
+from data.readers import DataError
+from launch.config import add_config_args, config_from_args
+
+
+def run_dir_of(cfg) -> Path:
+    return cfg.runs_dir / (cfg.train.name or cfg.model.kind)
+
+
+def preflight(cfg, world_size: int):
+    """Every check that can fail before any process group or model exists; returns the data."""
+    from data.store import ChunkStore
+    from training.engine import TrainingError
+    from training.config import resolve_precision
+    from training.layers import layer_list
+
+    t = cfg.train
+    t.precision = resolve_precision(t.precision)
+    if world_size % t.pipeline_stages:
+        raise ConfigError("train.pipeline_stages", f"world size {world_size} is not divisible by "
+                          f"{t.pipeline_stages} pipeline stages")
+    n_layers = len(layer_list(cfg.model))
+    if t.pipeline_stages > n_layers:
+        raise ConfigError("train.pipeline_stages", f"{t.pipeline_stages} stages for a model of "
+                          f"{n_layers} pipeline layers")
+    cuda = torch.cuda.is_available()
+    if t.precision == "fp16" and not cuda:
+        raise ConfigError("train.precision", "fp16 needs a GPU; this machine has none (use bf16 or fp32)")
+    if t.precision == "bf16" and cuda and not torch.cuda.is_bf16_supported():
+        raise ConfigError("train.precision", "this GPU does not support bf16 (use fp16 or fp32)")
+    store = ChunkStore(cfg.data_dir)
+    if store.chunk_len != cfg.data.chunk_len:
+        raise ConfigError("data.chunk_len", f"{cfg.data.chunk_len}, but the chunk store {cfg.data_dir} "
+                          f"was prepared with chunk_len {store.chunk_len}")
+    n_train = len(store.split("train")) // (t.seq_len // store.chunk_len)
+    if n_train < t.micro_batch_size:
+        raise TrainingError(f"the training split holds {n_train} sequences of {t.seq_len} tokens, fewer than "
+                            f"train.micro_batch_size ({t.micro_batch_size})")
+    neighbours = None
+    if cfg.model.kind == "retro":
+        from data.neighbours import NeighbourStore
+        neighbours = NeighbourStore(cfg.retrieval_dir, store)
+    return store, neighbours
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = add_config_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # from the launcher
+    args = parser.parse_args(argv)
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    os.environ.setdefault("LOCAL_RANK", str(args.local_rank or 0))
+    from training.engine import TrainingError, claim_run_dir
+
+    try:
+        cfg = config_from_args(args)
+        store, neighbours = preflight(cfg, world)
+        run_dir = run_dir_of(cfg)
+        claim_run_dir(cfg, run_dir, write=rank == 0)  # every rank checks, so all exit together
+        if (run_dir / "summary.json").exists():
+            if rank == 0:
+                print(f"train: {run_dir} is complete (summary.json); nothing to do")
+            return 0
+    except (ConfigError, DataError, TrainingError) as e:
+        if rank == 0:
+            print(f"train: error: {e}", file=sys.stderr)
+        return 2
+
+    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+    import deepspeed
+    from deepspeed.utils import logger as ds_logger
+    import logging
+
+    ds_logger.setLevel(logging.WARNING)
+    from training.pipeline import gather_state_dict, tied_weights_max_diff  # also disables the shm op build
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    from training.engine import Trainer, atomic_write_text
+
+    trainer = Trainer(cfg, store, neighbours, run_dir)
+    if rank == 0:
+        layers = [[d.name for d in trainer.descs[a:b]] for a, b in zip(trainer.parts, trainer.parts[1:])]
+        costs = [round(sum(d.cost for d in trainer.descs[a:b]), 3) for a, b in zip(trainer.parts, trainer.parts[1:])]
+        atomic_write_text(run_dir / "partition.json", json.dumps({"parts": trainer.parts, "layers": layers,
+                                                                  "gflops": costs}, indent=1))
+        print(f"pipeline: {cfg.train.pipeline_stages} stages × {trainer.dp_world} data parallel, "
+              f"{cfg.train.precision}; "
+              f"partition {trainer.parts} (GFLOPs per stage {costs})")
+        for s, names in enumerate(layers):
+            print(f"  stage {s}: {', '.join(names)}")
+    result = trainer.fit()
+    state = gather_state_dict(trainer.engine, trainer.descs)
+    tied_diff = tied_weights_max_diff(trainer.engine)
+    if rank == 0:
+        from training.model_io import build_model, save_model
+
+        model = build_model(cfg.model)
+        model.load_state_dict(state, strict=True)
+        save_model(model, run_dir / "model")
+        summary = {"complete": True, "steps": cfg.train.steps, "resumed_from": result["start_step"],
+                   "final_loss": result["losses"].get(cfg.train.steps), "val_loss": result["val_loss"],
+                   "tied_embedding_max_diff": tied_diff, "partition": trainer.parts,
+                   "model_dir": str(run_dir / "model")}
+        atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=1))
+        print(f"train: done; model in {run_dir / 'model'}; final loss {summary['final_loss']:.4f}"
+              + (f", validation loss {result['val_loss']:.4f}" if result["val_loss"] is not None else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

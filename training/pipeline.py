@@ -1,0 +1,229 @@
+"""The DeepSpeed adapter: the models' layer list as a `PipelineModule`, its config, its export.
+
+Everything DeepSpeed-specific about the model lives here (and the loop in training/engine.py);
+the models themselves are plain torch (training/layers.py).
+
+- Each `LayerDesc` becomes a `LayerSpec`, or a `TiedLayerSpec('embed', ...)` for the token
+  embedding. DeepSpeed saves a tied module only through its use *without* forward_fn, so the
+  first use gets a subclass whose own forward is that use (same parameter names).
+- Layers are built under a per-layer seed, so a stage builds exactly the weights the same
+  layer has in a 1-stage run or in `build_sequential` (2-stage loss == 1-stage loss).
+- Stages are cut by estimated cost (`LayerDesc.cost`) with `partition_balanced`, not by
+  parameter count: RETRO layers and the encoder cost more than their parameters suggest.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # skip DeepSpeed's accelerator probing (and its warning)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import deepspeed  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec  # noqa: E402
+from deepspeed.runtime.utils import partition_balanced, partition_uniform  # noqa: E402
+
+from training.config import ModelConfig, TrainConfig  # noqa: E402
+from training.layers import LayerDesc, layer_list  # noqa: E402
+from training.model import loss_fn  # noqa: E402
+
+# DeepSpeed JIT-compiles a shared-memory allreduce for CPU on first use (~90 s); gloo does the
+# same job without a C++ build, so never build it.
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def deepspeed_config(train: TrainConfig) -> dict:
+    """DeepSpeed's JSON config, generated from ours (never kept by hand beside it)."""
+    precision = train.precision
+    return {
+        "train_micro_batch_size_per_gpu": train.micro_batch_size,
+        "gradient_accumulation_steps": train.micro_batches,
+        "bf16": {"enabled": precision == "bf16"},
+        "fp16": {"enabled": precision == "fp16", "initial_scale_power": 16},
+        # bf16: fp32 master weights *and* fp32 gradient accumulation (BF16_Optimizer).
+        **({"data_types": {"grad_accum_dtype": "fp32"}} if precision == "bf16" else {}),
+        "zero_optimization": {"stage": 1},
+        "gradient_clipping": train.grad_clip,
+        # torch_adam: torch.optim.AdamW, no C++ op to build on a fresh machine.
+        "optimizer": {"type": "AdamW", "params": {"lr": train.lr, "betas": [train.beta1, train.beta2],
+                                                  "eps": 1e-8, "weight_decay": train.weight_decay,
+                                                  "torch_adam": True}},
+        "scheduler": {"type": "WarmupCosineLR", "params": {
+            "total_num_steps": train.steps, "warmup_num_steps": max(train.warmup_steps, 1),
+            "warmup_min_ratio": 0.0, "cos_min_ratio": train.min_lr / train.lr, "warmup_type": "linear"}},
+        # Non-reentrant recomputation: reentrant checkpointing breaks when two float tensors
+        # (hidden states and encoded neighbours) cross a stage boundary.
+        "pipeline": {"use_reentrant": False},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def partition(descs: list[LayerDesc], stages: int, method: str) -> list[int]:
+    """Stage boundaries [0, ..., len(descs)]: stage s runs layers parts[s]:parts[s+1]."""
+    if stages > len(descs):
+        raise ValueError(f"train.pipeline_stages={stages} exceeds the model's {len(descs)} pipeline layers")
+    if method == "uniform":
+        parts = partition_uniform(len(descs), stages)
+    else:
+        if method == "cost":
+            weights = [d.cost for d in descs]
+        else:  # parameters, counted without building: a tied layer counts once
+            seen, weights = set(), []
+            for d in descs:
+                weights.append(0 if d.tie_key in seen else sum(p.numel() for p in d.build().parameters()))
+                seen.add(d.tie_key) if d.tie_key else None
+        # partition_balanced wants integers; keep 3 significant digits of the smallest cost.
+        scale = 1000 / max(min(w for w in weights if w > 0), 1e-12)
+        parts = partition_balanced([max(int(w * scale), 1) for w in weights], stages)
+    parts = [int(p) for p in parts]
+    # A stage of tied layers alone (e.g. the LM head, whose vocabulary matmul dominates small
+    # models) owns no gradient of its own, which DeepSpeed's optimizers reject: give it a neighbour.
+    for s in range(stages):
+        while parts[s] < parts[s + 1] and all(d.tie_key for d in descs[parts[s]:parts[s + 1]]):
+            if s > 0 and parts[s] - 1 > parts[s - 1]:
+                parts[s] -= 1
+            elif s + 1 < stages and parts[s + 1] + 1 < parts[s + 2]:
+                parts[s + 1] += 1
+            else:
+                break
+    if any(a >= b for a, b in zip(parts, parts[1:])):
+        raise ValueError(f"train.pipeline_stages={stages}: partition {parts} leaves a stage empty")
+    return parts
+
+
+class _SeededSpec:
+    """Build a layer under its own seed: the weights do not depend on which stage builds them."""
+
+    def build(self, log=False):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed)
+            return super().build(log=log)
+
+
+class SeededLayerSpec(_SeededSpec, LayerSpec):
+    def __init__(self, seed, typename, *args, **kwargs):
+        super().__init__(typename, *args, **kwargs)
+        self.seed = seed
+
+
+class SeededTiedLayerSpec(_SeededSpec, TiedLayerSpec):
+    def __init__(self, seed, key, typename, *args, **kwargs):
+        super().__init__(key, typename, *args, **kwargs)
+        self.seed = seed
+
+
+class _AsBase:
+    """`module` seen as its base class: calling it runs the base forward (no recursion)."""
+
+    def __init__(self, module, cls):
+        self._module, self._cls = module, cls
+
+    def __call__(self, *args):
+        return self._cls.forward(self._module, *args)
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+def _first_use(cls: type, forward_fn) -> type:
+    """`cls` whose forward is `forward_fn(module, x)`: DeepSpeed checkpoints it as a module."""
+    return type(cls.__name__, (cls,), {"forward": lambda self, x: forward_fn(_AsBase(self, cls), x)})
+
+
+class RetroPipeModule(PipelineModule):
+    """PipelineModule cut at explicit boundaries (DeepSpeed only offers named methods)."""
+
+    def __init__(self, layers, parts: list[int], **kwargs):
+        self._parts = parts
+        super().__init__(layers, **kwargs)
+
+    def _partition_layers(self, method="uniform"):
+        self.parts = list(self._parts)
+        stage = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+
+def layer_specs(descs: list[LayerDesc], seed: int) -> list:
+    specs, tied = [], set()
+    for i, d in enumerate(descs):
+        if d.tie_key is None:
+            specs.append(SeededLayerSpec(seed + i, d.cls, **d.kwargs))
+        elif d.tie_key not in tied:
+            tied.add(d.tie_key)
+            cls = _first_use(d.cls, d.forward_fn) if d.forward_fn else d.cls
+            specs.append(SeededTiedLayerSpec(seed + i, d.tie_key, cls, **d.kwargs))
+        else:
+            specs.append(SeededTiedLayerSpec(seed + i, d.tie_key, d.cls, forward_fn=d.forward_fn, **d.kwargs))
+    return specs
+
+
+def build_pipeline(model: ModelConfig, train: TrainConfig) -> tuple[RetroPipeModule, list[LayerDesc], list[int]]:
+    descs = layer_list(model)
+    parts = partition(descs, train.pipeline_stages, train.partition)
+    module = RetroPipeModule(layer_specs(descs, train.seed), parts=parts, num_stages=train.pipeline_stages,
+                             loss_fn=loss_fn, activation_checkpoint_interval=train.activation_checkpoint_interval,
+                             checkpointable_layers=["Block", "RetroBlock"])
+    return module, descs, parts
+
+
+def build_sequential_seeded(model: ModelConfig, seed: int) -> torch.nn.Module:
+    """The single-process twin of build_pipeline: same layers, same per-layer seeds."""
+    from training.layers import LayerSequence
+
+    descs = layer_list(model)
+    seeded = []
+    for i, d in enumerate(descs):
+        seeded.append(LayerDesc(d.name, _seeded_class(d.cls, seed + i), d.kwargs, d.tie_key, d.forward_fn, d.cost))
+    return LayerSequence(model, seeded)
+
+
+def _seeded_class(cls: type, seed: int) -> type:
+    def __init__(self, *args, **kwargs):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            cls.__init__(self, *args, **kwargs)
+    return type(cls.__name__, (cls,), {"__init__": __init__})
+
+
+def gather_state_dict(engine, descs: list[LayerDesc]) -> dict[str, torch.Tensor] | None:
+    """The full model's fp32 weights (from the optimizer's master copy) on global rank 0.
+
+    Names are the monolithic model's (`LayerDesc.name` + parameter name), so the result loads
+    into GPT2 / Retro and is saved with training.save_model.
+    """
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    module = engine.module
+    local = {}
+    if engine.grid.get_data_parallel_rank() == 0:
+        for j, layer in enumerate(module.forward_funcs):
+            if not isinstance(layer, torch.nn.Module):
+                continue  # a tied layer's second use: its weights are saved with the first
+            name = descs[module._local_start + j].name
+            for pname, p in layer.named_parameters():
+                full = safe_get_full_fp32_param(p)
+                local[f"{name}.{pname}"] = (full if full is not None else p).detach().float().cpu()
+            for bname, b in layer.named_buffers():
+                local[f"{name}.{bname}"] = b.detach().cpu()
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    if dist.get_rank() != 0:
+        return None
+    merged = {}
+    for part in gathered:
+        merged.update(part)
+    return merged
+
+
+def tied_weights_max_diff(engine) -> float:
+    """Largest |Δ| between the copies of the tied embedding held by the stages (0.0 = in sync)."""
+    tied = getattr(engine.module, "tied_modules", {})
+    mine = tied["embed"].weight.detach().float().cpu() if "embed" in tied else None
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    copies = [g for g in gathered if g is not None]
+    return max(float((c - copies[0]).abs().max()) for c in copies)
