@@ -75,6 +75,11 @@ def _check_type(key: str, value, hint, source: str):
         return [_check_type(key, v, item, source) for v in value]
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if hint is float and isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if hint in (int, float) and isinstance(value, bool):
         raise ConfigError(key, f"expected {hint.__name__}, got {value!r}", source)
     if hint in (int, float, str, bool) and not isinstance(value, hint):
@@ -147,7 +152,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequenc
             section[keys[1]] = value
         else:
             raise ConfigError(".".join(keys), "overrides take the form section.key=value", "--set")
-        sources[keys[0]] = "--set" if keys[0] not in sources else f"{sources[keys[0]]} / --set"
+        if not sources.get(keys[0], "").endswith("--set"):
+            sources[keys[0]] = f"{sources[keys[0]]} / --set" if keys[0] in sources else "--set"
 
     kwargs = {}
     for name, values in raw.items():

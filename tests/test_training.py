@@ -1,0 +1,124 @@
+"""DeepSpeed pipeline training on 2 CPU processes (gloo): real DeepSpeed, no mocks."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from data.config import ConfigError
+from data.prepare import prepare
+from data.readers import DataError
+from launch.config import load_config
+from tests.distributed import ROOT, kill, spawn, train
+
+# A model small enough that a step takes a fraction of a second on one core.
+TINY = ["data.chunk_len=16", "data.max_documents=300", "data.validation_fraction=0.1", "train.seq_len=64",
+        "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.n_positions=64", "model.encoder_layers=1",
+        "model.encoder_embd=16", "model.encoder_head=2", "train.micro_batch_size=2", "train.micro_batches=2",
+        "train.steps=8", "train.precision=fp32", "train.eval_every=0", "train.eval_batches=2",
+        "train.checkpoint_every=3", "train.warmup_steps=1", "train.lr=2e-2", "train.min_lr=2e-3"]
+
+
+def sets(*overrides):
+    return [a for o in [*TINY, *overrides] for a in ("--set", o)]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines)}
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    wd = tmp_path_factory.mktemp("train")
+    cfg = load_config(ROOT / "configs" / "tiny-gpt2.yaml", [f"workdir={wd}", *TINY])
+    prepare(cfg.data, cfg.data_dir, progress=False)
+    return wd
+
+
+@pytest.fixture(scope="module")
+def reference_run(workdir):
+    """GPT-2, 2 pipeline stages on 2 processes, through the real `deepspeed` launcher."""
+    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "launch/train.py",
+           "--config", "configs/tiny-gpt2.yaml", *sets(f"workdir={workdir}", "train.name=ref")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return workdir / "runs" / "ref", proc.stdout
+
+
+def test_baseline_trains_on_two_pipeline_stages(reference_run):
+    run_dir, stdout = reference_run
+    assert "2 stages × 1 data parallel" in stdout and "stage 1:" in stdout
+    curve = losses(run_dir)
+    assert sorted(curve) == list(range(1, 9))
+    assert curve[8] < curve[1] - 0.3, curve
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["tied_embedding_max_diff"] == 0.0  # the head on stage 1 is still the embedding
+    from training import load_model
+    model = load_model(run_dir / "model")
+    assert model(torch.zeros(1, 64, dtype=torch.int64)).shape == (1, 64, 50257)
+    assert (run_dir / "tensorboard").is_dir() and (run_dir / "checkpoints" / "latest.json").exists()
+
+
+def test_two_stages_equal_one_stage(workdir, reference_run):
+    code, log = train(1, ["--config", "configs/tiny-gpt2.yaml",
+                          *sets(f"workdir={workdir}", "train.name=one", "train.pipeline_stages=1")],
+                      workdir / "logs-one")
+    assert code == 0, log[-3000:]
+    one, two = losses(workdir / "runs" / "one"), losses(reference_run[0])
+    assert one.keys() == two.keys()
+    for step in one:
+        assert abs(one[step] - two[step]) < 1e-4, (step, one[step], two[step])
+
+
+def test_kill_and_resume_reproduces_the_loss_curve(workdir, reference_run):
+    args = ["--config", "configs/tiny-gpt2.yaml", *sets(f"workdir={workdir}", "train.name=killed")]
+    run_dir = workdir / "runs" / "killed"
+    procs = spawn(2, args, workdir / "logs-killed")
+    deadline = time.time() + 200
+    while time.time() < deadline and not (run_dir / "metrics.jsonl").exists() or len(losses(run_dir)) < 5:
+        assert time.time() < deadline and all(p.poll() in (None, 0) for p in procs), "run failed or hung"
+        time.sleep(0.05)
+    kill(procs)  # SIGKILL, mid-run, after the step-3 checkpoint
+    assert not (run_dir / "summary.json").exists()
+    code, log = train(2, args, workdir / "logs-resumed")
+    assert code == 0, log[-3000:]
+    assert "resumed from step 3" in log or "resumed from step 6" in log
+    resumed, reference = losses(run_dir), losses(reference_run[0])
+    assert resumed.keys() == reference.keys()
+    for step in resumed:
+        assert abs(resumed[step] - reference[step]) < 1e-5, (step, resumed[step], reference[step])
+    done = train(2, args, workdir / "logs-done")
+    assert done[0] == 0 and "is complete" in done[1]  # idempotent
+
+
+def test_misconfigurations_are_refused_before_any_work(workdir):
+    from launch.train import preflight
+
+    def cfg(*overrides, config="tiny-gpt2.yaml"):
+        return load_config(ROOT / "configs" / config, [f"workdir={workdir}", *TINY, *overrides])
+
+    with pytest.raises(ConfigError, match="world size 2 is not divisible by 3 pipeline stages"):
+        preflight(cfg("train.pipeline_stages=3"), 2)
+    with pytest.raises(ConfigError, match="40 stages for a model of 6 pipeline layers"):
+        preflight(cfg("train.pipeline_stages=40"), 40)
+    with pytest.raises(ConfigError, match="fp16 needs a GPU"):
+        preflight(cfg("train.precision=fp16"), 2)
+    with pytest.raises(DataError, match="no prepared data"):
+        preflight(cfg(f"workdir={workdir / 'nowhere'}"), 2)
+    with pytest.raises(ConfigError, match="prepared with chunk_len 16"):
+        preflight(load_config(ROOT / "configs" / "tiny-gpt2.yaml", [f"workdir={workdir}", *TINY,
+                                                                   "data.chunk_len=32"]), 2)
+    with pytest.raises(DataError, match="neighbours"):
+        preflight(cfg(config="tiny-retro.yaml"), 2)
+    # The command line: message on stderr, exit code 2, no process group started.
+    proc = subprocess.run([sys.executable, "launch/train.py", "--config", "configs/tiny-gpt2.yaml",
+                           *sets(f"workdir={workdir}", "train.pipeline_stages=3")], cwd=ROOT,
+                          capture_output=True, text=True, env={**os.environ, "WORLD_SIZE": "2", "RANK": "0"})
+    assert proc.returncode == 2 and "train.pipeline_stages" in proc.stderr
