@@ -182,6 +182,15 @@ def _validate_across_sections(cfg: Config, source: str) -> None:
     if cfg.train.seq_len > cfg.model.n_positions:
         raise ConfigError("train.seq_len", f"{cfg.train.seq_len} exceeds model.n_positions "
                           f"({cfg.model.n_positions})", source)
+    for key in ("window", "stride"):
+        if getattr(cfg.eval, key) % chunk_len:
+            raise ConfigError(f"eval.{key}", f"{getattr(cfg.eval, key)} is not a multiple of data.chunk_len ({chunk_len})",
+                              source)
+    if cfg.eval.window > cfg.model.n_positions:
+        raise ConfigError("eval.window", f"{cfg.eval.window} exceeds model.n_positions ({cfg.model.n_positions})", source)
+    for key in ("neighbours", "more_neighbours"):
+        if getattr(cfg.eval, key) > cfg.retrieval.k:
+            raise ConfigError(f"eval.{key}", f"{getattr(cfg.eval, key)} exceeds retrieval.k ({cfg.retrieval.k})", source)
     if cfg.model.kind == "retro" and cfg.train.neighbours > cfg.retrieval.k:
         raise ConfigError("train.neighbours", f"{cfg.train.neighbours} exceeds retrieval.k "
                           f"({cfg.retrieval.k}), the neighbours stored per chunk", source)

@@ -58,7 +58,7 @@ def preflight(cfg, world_size: int):
     neighbours = None
     if cfg.model.kind == "retro":
         from data.neighbours import NeighbourStore
-        neighbours = NeighbourStore(cfg.retrieval_dir, store)
+        neighbours = NeighbourStore(cfg.retrieval_dir, store, chunks_per_seq=t.seq_len // store.chunk_len)
     return store, neighbours
 
 

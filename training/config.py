@@ -145,11 +145,22 @@ class TrainConfig:
 
 @dataclass
 class EvalConfig:
-    # Sliding-window stride for evaluation, in tokens (RETRO paper: 2048 window, 1024 stride).
+    # Sliding window and stride in tokens, multiples of data.chunk_len (RETRO paper: 2048 / 1024).
+    window: int = 256
     stride: int = 128
+    # Neighbours per chunk for RETRO[ON]; a second RETRO row uses eval.more_neighbours (0 = skip).
+    neighbours: int = 2
+    more_neighbours: int = 0
+    batch_size: int = 4
+    # Evaluate at most this many chunks of the split (0 = all): for quick looks at big corpora.
+    max_chunks: int = 0
 
     def __post_init__(self):
-        require(self.stride >= 1, "eval.stride", "must be >= 1")
+        require(self.window >= 1 and 1 <= self.stride <= self.window, "eval.stride",
+                f"need 1 <= stride <= window, got stride {self.stride}, window {self.window}")
+        require(self.neighbours >= 1, "eval.neighbours", "must be >= 1")
+        require(self.more_neighbours >= 0, "eval.more_neighbours", "must be >= 0")
+        require(self.batch_size >= 1 and self.max_chunks >= 0, "eval.batch_size", "batch_size >= 1, max_chunks >= 0")
 
 
 def resolve_precision(precision: str) -> str:
