@@ -1,0 +1,149 @@
+"""Benchmark a model training step (forward + backward): GPT-2 vs RETRO, fp32 vs bf16, and MFU.
+
+    python bench/model_step.py [--quick] [--device cpu|cuda] [--presets tiny,gpt2-124m] [--seq-len N]
+
+Prints, measured side by side in one run, for each preset and precision: tokens/s of the
+GPT-2 baseline and of RETRO on the same trunk (k = 2 neighbours of 2 · chunk_len tokens per
+chunk), their step-time ratio (goal: RETRO ≤ 1.2× baseline), and model FLOP utilisation:
+nanoGPT's estimate_mfu, 6N + 12·L·H·Q·T FLOPs per token (N = parameters without positions),
+against the matmul FLOP/s measured in the same run by timing a big matmul in the same dtype.
+bf16 runs under torch.autocast, as training does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from training.config import ModelConfig  # noqa: E402
+from training.model import GPT2, loss_fn  # noqa: E402
+from training.retro import Retro  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def matmul_flops(device: str, dtype: torch.dtype, size: int, reps: int) -> float:
+    """Best achieved FLOP/s of a size×size matmul: the denominator of the MFU."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        a @ b
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * size**3 / best
+
+
+def one_step(model, batch, device: str, dtype: torch.dtype) -> float:
+    """Seconds of one forward + backward (no optimizer step)."""
+    sync(device)
+    t0 = time.perf_counter()
+    with torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
+        loss = loss_fn(model(*batch[:-1]), batch[-1])
+    loss.backward()
+    sync(device)
+    model.zero_grad(set_to_none=True)
+    return time.perf_counter() - t0
+
+
+def step_times(runs: dict, device: str, dtype: torch.dtype, warmup: int, iters: int) -> dict:
+    """Best step time per model, the models' steps interleaved so that a noisy neighbour on a
+    shared machine slows both alike; the minimum is the least disturbed run."""
+    best = {name: float("inf") for name in runs}
+    for i in range(warmup + iters):
+        for name, (model, batch) in runs.items():
+            t = one_step(model.train(), batch, device, dtype)
+            if i >= warmup:
+                best[name] = min(best[name], t)
+    return best
+
+
+def flops_per_token(model, cfg: ModelConfig, seq_len: int) -> float:
+    n_params = sum(p.numel() for p in model.parameters()) - cfg.n_positions * cfg.n_embd
+    return 6 * n_params + 12 * cfg.n_layer * cfg.n_head * (cfg.n_embd // cfg.n_head) * seq_len
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="shorter sequences and fewer iterations")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--presets", default="tiny,gpt2-124m")
+    parser.add_argument("--batch", type=int, default=None, help="sequences per step (default: per preset)")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 256, quick 128)")
+    parser.add_argument("--chunk-len", type=int, default=64)
+    parser.add_argument("--neighbours", type=int, default=2)
+    parser.add_argument("--dtypes", default="fp32,bf16", help="subset of fp32,bf16")
+    args = parser.parse_args(argv)
+    device, cuda = args.device, args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        parser.error("--device cuda but torch sees no GPU")
+    seq_len = args.seq_len or (1024 if cuda else (128 if args.quick else 256))
+    warmup, iters = (1, 2) if args.quick else (1, 4 if not cuda else 10)
+    torch.manual_seed(0)
+    name = torch.cuda.get_device_name() if cuda else f"CPU, {torch.get_num_threads()} threads"
+    print(f"device: {name}; torch {torch.__version__}; seq_len {seq_len}, chunk_len {args.chunk_len}, "
+          f"k {args.neighbours}; best of {iters} steps after {warmup} warm-up")
+    dtypes = {label: DTYPES[label] for label in args.dtypes.split(",")}
+    peak = {label: 0.0 for label in dtypes}
+
+    def measure_peak():
+        # Re-measured beside every model measurement, keeping the best: on a shared machine a
+        # single early measurement may be slowed by a neighbour and inflate every MFU.
+        for label, dtype in dtypes.items():
+            peak[label] = max(peak[label], matmul_flops(device, dtype, 8192 if cuda else 2048, 20 if cuda else 5))
+
+    rows = []
+    for preset in args.presets.split(","):
+        batch_size = args.batch or ({"tiny": 4}.get(preset, 1) * (8 if cuda else 1))
+        g = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, 50257, (batch_size, seq_len + 1), generator=g)
+        l = seq_len // args.chunk_len
+        neighbours = torch.randint(0, 50257, (batch_size, l, args.neighbours, 2 * args.chunk_len), generator=g)
+        x, y = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+        models = {}
+        for kind in ("gpt2", "retro"):
+            cfg = ModelConfig.preset(preset, kind=kind, chunk_len=args.chunk_len)
+            models[kind] = (cfg, (Retro if kind == "retro" else GPT2)(cfg).to(device))
+        for label, dtype in dtypes.items():
+            measure_peak()
+            runs = {kind: (model, (x, y) if kind == "gpt2" else (x, neighbours.to(device), y))
+                    for kind, (cfg, model) in models.items()}
+            best = step_times(runs, device, dtype, warmup, iters)
+            for kind, (cfg, model) in models.items():
+                n = sum(p.numel() for p in model.parameters())
+                rows.append((preset, label, kind, n, batch_size, best[kind], best[kind] / best["gpt2"],
+                             flops_per_token(model, cfg, seq_len)))
+                print(f"  measured {preset} {label} {kind}: {best[kind]:.3f} s/step", flush=True)
+        del models
+    measure_peak()
+    for label in dtypes:
+        print(f"matmul {label}: {peak[label] / 1e9:,.1f} GFLOP/s (best in this run)")
+    print(f"\n{'preset':<11} {'dtype':<5} {'model':<6} {'params':>12} {'batch':>5} {'step s':>8} "
+          f"{'tokens/s':>10} {'MFU':>6} {'RETRO/base':>10}")
+    for preset, label, kind, n, batch_size, t, ratio, fpt in rows:
+        tps = batch_size * seq_len / t
+        print(f"{preset:<11} {label:<5} {kind:<6} {n:>12,} {batch_size:>5} {t:>8.3f} {tps:>10,.0f} "
+              f"{tps * fpt / peak[label]:>6.1%} {f'{ratio:.2f}x' if kind == 'retro' else '':>10}")
+    return 0
+
+
+if __name__ == "__main__":
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(os.cpu_count() or 1)
+    sys.exit(main())

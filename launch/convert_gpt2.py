@@ -1,0 +1,54 @@
+"""Convert GPT-2 weights between a Hugging Face directory and our model directory.
+
+    python launch/convert_gpt2.py --from-hf HF_DIR --out DIR     # HF GPT2LMHeadModel → ours
+    python launch/convert_gpt2.py --to-hf DIR --out HF_DIR       # ours (kind gpt2) → HF
+
+Both directions are exact (same logits in fp32). The output is written to a temporary sibling
+directory and moved into place; an existing --out is only replaced with --force.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from training.hf_interop import HFFormatError, gpt2_from_hf, save_hf
+from training.model import GPT2
+from training.model_io import ModelFormatError, load_model, save_model, write_dir_atomically
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--from-hf", metavar="HF_DIR", help="Hugging Face GPT-2 directory to import")
+    source.add_argument("--to-hf", metavar="DIR", help="our model directory (kind gpt2) to export")
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--force", action="store_true", help="replace --out if it exists")
+    args = parser.parse_args(argv)
+    src, out = Path(args.from_hf or args.to_hf), Path(args.out)
+    try:
+        if not src.is_dir():
+            raise FileNotFoundError(f"input directory not found: {src}")
+        if out.exists() and any(out.iterdir()) and not args.force:
+            raise FileExistsError(f"{out} exists and is not empty (use --force to replace it)")
+        if out.resolve() == src.resolve():
+            raise FileExistsError("--out must differ from the input directory")
+        if args.from_hf:
+            model = gpt2_from_hf(src)
+            save_model(model, out)
+        else:
+            model = load_model(src)
+            if not isinstance(model, GPT2):
+                raise ModelFormatError(f"{src}: only GPT-2 models export to Hugging Face (kind is {model.cfg.kind!r})")
+            write_dir_atomically(out, lambda tmp: save_hf(model, tmp))
+    except (OSError, HFFormatError, ModelFormatError, ValueError) as e:
+        print(f"convert_gpt2: error: {e}", file=sys.stderr)
+        return 2
+    n = sum(p.numel() for p in model.parameters())
+    print(f"wrote {out} ({'ours' if args.from_hf else 'Hugging Face'} format, {n:,} parameters)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

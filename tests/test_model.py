@@ -1,0 +1,90 @@
+"""GPT-2 baseline: size, causality, layer-list form, loss, bf16, model directory round trip."""
+
+import pytest
+import torch
+
+from training import load_model, save_model
+from training.config import MODEL_PRESETS, ModelConfig
+from training.layers import build_sequential, layer_list
+from training.model import GPT2, loss_fn
+from training.model_io import ModelFormatError
+
+
+def tiny(**kw) -> ModelConfig:
+    return ModelConfig(**{**dict(vocab_size=101, n_positions=64, n_layer=3, n_head=2, n_embd=32), **kw})
+
+
+def test_gpt2_124m_has_the_released_parameter_count():
+    cfg = ModelConfig.preset("gpt2-124m")
+    with torch.device("meta"):  # counts without allocating or initialising 124M parameters
+        model = GPT2(cfg)
+    assert model.num_parameters() == 124_439_808
+    assert "tiny" in MODEL_PRESETS
+
+
+def test_logits_shape_and_causality():
+    torch.manual_seed(0)
+    model = GPT2(tiny()).eval()
+    tokens = torch.randint(0, 101, (2, 20))
+    logits = model(tokens)
+    assert logits.shape == (2, 20, 101)
+    t = 11
+    changed = tokens.clone()
+    changed[:, t] = (changed[:, t] + 1) % 101
+    after = model(changed)
+    torch.testing.assert_close(after[:, :t], logits[:, :t], rtol=0, atol=1e-6)
+    assert (after[:, t:] - logits[:, t:]).abs().max() > 1e-4
+
+
+def test_layer_list_equals_monolithic_exactly():
+    torch.manual_seed(0)
+    cfg = tiny()
+    model, seq = GPT2(cfg).eval(), build_sequential(cfg).eval()
+    assert set(model.state_dict()) == set(seq.state_dict())
+    seq.load_state_dict(model.state_dict())
+    tokens = torch.randint(0, 101, (2, 16))
+    assert torch.equal(model(tokens), seq(tokens))
+    descs = layer_list(cfg)
+    assert [d.name for d in descs] == ["wte", "wpe", "blocks.0", "blocks.1", "blocks.2", "ln_f", "wte"]
+    assert [d.tie_key for d in descs].count("embed") == 2 and all(d.cost > 0 for d in descs)
+
+
+def test_sequence_longer_than_positions_is_rejected():
+    with pytest.raises(ValueError, match="n_positions"):
+        GPT2(tiny())(torch.zeros(1, 65, dtype=torch.int64))
+
+
+def test_loss_ignores_padding_and_an_all_padding_batch_gives_zero():
+    logits = torch.randn(2, 5, 7)
+    labels = torch.randint(0, 7, (2, 5))
+    labels[1, 3:] = -100
+    keep = labels != -100
+    expected = torch.nn.functional.cross_entropy(logits[keep], labels[keep])
+    torch.testing.assert_close(loss_fn(logits, labels), expected)
+    assert loss_fn(logits, torch.full((2, 5), -100)).item() == 0.0
+
+
+def test_bf16_forward_backward_on_cpu():
+    torch.manual_seed(0)
+    model = GPT2(tiny())
+    tokens = torch.randint(0, 101, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(tokens)
+        loss = loss_fn(logits, tokens)
+    assert logits.dtype == torch.bfloat16
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_save_and_load_model_round_trip(tmp_path):
+    torch.manual_seed(0)
+    model = GPT2(tiny()).eval()
+    save_model(model, tmp_path / "m")
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["config.json", "model.safetensors"]
+    loaded = load_model(tmp_path / "m")
+    assert isinstance(loaded, GPT2) and not loaded.training and loaded.cfg == model.cfg
+    tokens = torch.randint(0, 101, (1, 12))
+    assert torch.equal(loaded(tokens), model(tokens))
+    save_model(model, tmp_path / "m")  # replacing an existing directory works
+    with pytest.raises(ModelFormatError, match="config.json"):
+        load_model(tmp_path)

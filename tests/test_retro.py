@@ -1,0 +1,163 @@
+"""RETRO: chunk causality, masked neighbours, layer-list form, shapes, bf16, RETRO-fit, I/O."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from training import load_model, retrofit, save_model
+from training.config import ModelConfig
+from training.layers import build_sequential, layer_list
+from training.model import GPT2, loss_fn
+from training.retro import Retro, is_retrieval_parameter
+
+M = 4  # chunk_len
+
+
+def tiny(**kw) -> ModelConfig:
+    return ModelConfig(**{**dict(kind="retro", vocab_size=101, n_positions=64, n_layer=4, n_head=2, n_embd=32,
+                                 encoder_layers=2, encoder_embd=16, encoder_head=2, chunk_len=M), **kw})
+
+
+def inputs(b=2, l=4, k=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 101, (b, l * M), generator=g)
+    neighbours = torch.randint(0, 101, (b, l, k, 2 * M), generator=g)
+    neighbours[0, 2, 1] = -1  # a missing neighbour
+    neighbours[1, 3, :, M:] = -1  # missing continuations
+    return tokens, neighbours
+
+
+def model(cfg=None, seed=0):
+    torch.manual_seed(seed)
+    return Retro(cfg or tiny()).eval()
+
+
+def test_default_cca_layers():
+    assert tiny().cca_layers() == [2, 4]
+    assert ModelConfig(kind="retro", n_layer=12).cca_layers() == [6, 9, 12]
+    assert ModelConfig(kind="retro", n_layer=24, n_head=16, n_embd=1024).cca_layers() == [9, 12, 15, 18, 21, 24]
+
+
+def test_neighbours_of_chunk_u_reach_only_positions_from_its_last_token_on():
+    net = model()
+    tokens, neighbours = inputs()
+    logits = net(tokens, neighbours)
+    assert logits.shape == (2, 4 * M, 101) and torch.isfinite(logits).all()
+    for u in range(4):
+        changed = neighbours.clone()
+        changed[:, u] = torch.randint(0, 101, changed[:, u].shape)
+        after = net(tokens, changed)
+        first = (u + 1) * M - 1  # chunk u's last token
+        torch.testing.assert_close(after[:, :first], logits[:, :first], rtol=0, atol=1e-6)
+        assert (after[:, first] - logits[:, first]).abs().max() > 1e-5
+
+
+def test_changing_token_t_changes_no_earlier_logit():
+    net = model()
+    tokens, neighbours = inputs()
+    logits = net(tokens, neighbours)
+    t = 6
+    changed = tokens.clone()
+    changed[:, t] = (changed[:, t] + 1) % 101
+    after = net(changed, neighbours)
+    torch.testing.assert_close(after[:, :t], logits[:, :t], rtol=0, atol=1e-6)
+
+
+def test_masked_neighbours_give_exactly_the_trunk():
+    net = model()
+    gpt2 = GPT2(dataclasses.replace(net.cfg, kind="gpt2")).eval()
+    gpt2.load_state_dict({k: v for k, v in net.state_dict().items() if not is_retrieval_parameter(k)})
+    tokens, neighbours = inputs()
+    off = torch.full_like(neighbours, -1)
+    assert torch.equal(net(tokens, off), gpt2(tokens))
+    assert torch.equal(net(tokens), gpt2(tokens))  # neighbours=None is RETRO[OFF]
+    assert not torch.equal(net(tokens, neighbours), gpt2(tokens))
+
+
+def test_missing_neighbours_give_finite_values_and_gradients():
+    net = model().train()
+    tokens, neighbours = inputs()
+    neighbours[:, 1] = -1  # a chunk with no neighbour at all
+    loss = loss_fn(net(tokens, neighbours), tokens)
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in net.parameters())
+
+
+def test_layer_list_equals_monolithic_exactly():
+    for cfg in (tiny(), tiny(n_layer=5, retro_layers=[3]), tiny(n_layer=6, retro_layers=[2, 3, 5])):
+        net, seq = model(cfg), build_sequential(cfg).eval()
+        assert set(net.state_dict()) == set(seq.state_dict())
+        seq.load_state_dict(net.state_dict())
+        tokens, neighbours = inputs()
+        assert torch.equal(net(tokens, neighbours), seq(tokens, neighbours))
+    names = [d.name for d in layer_list(tiny())]
+    assert names == ["wte", "wpe", "blocks.0", "wte", "blocks.1", "blocks.2", "blocks.3", "ln_f", "wte"]
+
+
+def test_layer_tuples_follow_the_pipeline_contract():
+    cfg = tiny(n_layer=5, retro_layers=[2, 4])
+    seq = build_sequential(cfg).eval()
+    tokens, neighbours = inputs()
+    x = (tokens, neighbours)
+    kinds = []
+    for module, forward_fn in seq._calls:
+        x = forward_fn(module, x) if forward_fn is not None else module(x)
+        items = x if isinstance(x, tuple) else (x,)
+        kinds.append("".join("f" if t.is_floating_point() else "i" for t in items))
+        assert all(t.dtype == torch.int64 for t in items if not t.is_floating_point())
+    # wte, wpe, block0, embed_neighbours, block1 (first CCA), block2, block3 (last CCA), block4, ln_f, head
+    assert kinds == ["fi", "fi", "fi", "fif", "fif", "fif", "f", "f", "f", "f"]
+
+
+def test_sequence_not_a_multiple_of_chunk_len_is_rejected():
+    net = model()
+    tokens, neighbours = inputs()
+    with pytest.raises(ValueError, match=r"multiple of model.chunk_len \(4\)"):
+        net(tokens[:, :-1], neighbours)
+    with pytest.raises(ValueError, match=r"multiple of model.chunk_len \(4\)"):
+        build_sequential(tiny())(tokens[:, :-1], neighbours)
+    with pytest.raises(ValueError, match="neighbours must be"):
+        net(tokens, neighbours[:, :3])
+
+
+def test_bf16_forward_backward_on_cpu():
+    net = model().train()
+    tokens, neighbours = inputs()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = loss_fn(net(tokens, neighbours), tokens)
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in net.parameters())
+
+
+def test_retrofit_freezes_the_trunk_and_trains_cca_and_encoder(tmp_path):
+    torch.manual_seed(0)
+    gpt2 = GPT2(dataclasses.replace(tiny(), kind="gpt2")).eval()
+    save_model(gpt2, tmp_path / "gpt2")
+    net = retrofit(tmp_path / "gpt2", tiny())
+    assert net.cfg.freeze_trunk and net.training
+    for name, p in net.named_parameters():
+        assert p.requires_grad == is_retrieval_parameter(name), name
+    tokens, neighbours = inputs()
+    assert torch.equal(net.eval()(tokens), gpt2(tokens))  # starts as the GPT-2 it was fitted to
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    net.train()
+    for _ in range(2):
+        opt.zero_grad()
+        loss_fn(net(tokens, neighbours), tokens).backward()
+        opt.step()
+    after = net.state_dict()
+    for k in before:
+        assert torch.equal(before[k], after[k]) != is_retrieval_parameter(k), k
+    with pytest.raises(ValueError, match="model.n_embd"):
+        retrofit(gpt2, tiny(n_embd=64))
+
+
+def test_save_and_load_retro_round_trip(tmp_path):
+    net = model()
+    save_model(net, tmp_path / "retro")
+    loaded = load_model(tmp_path / "retro")
+    assert isinstance(loaded, Retro) and not loaded.training
+    tokens, neighbours = inputs()
+    assert torch.equal(loaded(tokens, neighbours), net(tokens, neighbours))

@@ -1,0 +1,176 @@
+"""GPT-2: a pre-LayerNorm decoder with learned absolute positions and tied input/output embeddings.
+
+Parameter names follow Hugging Face `GPT2LMHeadModel` minus its `transformer.` prefix
+(`wte`, `wpe`, `blocks.i.attn.c_attn`, ...), so `hf_interop.py` only renames `h` to `blocks` and
+transposes its Conv1D weights. The output head is the token embedding itself (`lm_logits`), so
+the state dict holds no `lm_head` and GPT-2 small counts exactly 124,439,808 parameters.
+
+Every module below is also a layer of `layers.layer_list` (the pipeline form). Layers pass either
+a bare tensor or a tuple whose first item is the hidden state `h`; a plain `Block` transforms
+`h` and hands the rest of the tuple (RETRO's neighbour ids, encoded neighbours) on untouched.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from einops import rearrange
+
+from training.config import ModelConfig
+
+IGNORE_INDEX = -100
+
+
+def init_weights(module: nn.Module, n_layer: int) -> None:
+    """GPT-2 initialisation: N(0, 0.02), zero biases, residual projections scaled by 1/sqrt(2·n_layer).
+
+    Each layer class calls this on itself, so a pipeline stage that builds only some layers
+    initialises them exactly as the monolithic model would.
+    """
+    for name, m in module.named_modules():
+        if isinstance(m, nn.Linear):
+            # c_proj (and the CCA/encoder output projections) write into the residual stream.
+            std = 0.02 / math.sqrt(2 * n_layer) if name.endswith(("c_proj", "proj")) else 0.02
+            nn.init.normal_(m.weight, mean=0.0, std=std)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+
+
+class TokenEmbedding(nn.Embedding):
+    """The token embedding `wte`, shared by the input, the output head and RETRO's neighbours.
+
+    It is the one tied module (DeepSpeed: `TiedLayerSpec('embed', TokenEmbedding, ...)`); its uses
+    are the functions `embed_tokens`, `lm_logits` and `retro.embed_neighbours`. They read
+    `wte.weight` rather than calling `wte(...)`: in a pipeline the module's own forward is
+    replaced by its first use (training/pipeline.py), so a call would run the wrong use.
+    """
+
+    def __init__(self, vocab_size: int, n_embd: int):
+        super().__init__(vocab_size, n_embd)
+        nn.init.normal_(self.weight, mean=0.0, std=0.02)
+
+
+def embed_tokens(wte: TokenEmbedding, x):
+    """First layer: tokens (b, n) int64 → (b, n, d); RETRO's tuple keeps its neighbour ids."""
+    if isinstance(x, tuple):
+        tokens, *rest = x
+        return (F.embedding(tokens, wte.weight), *rest)
+    return F.embedding(x, wte.weight)
+
+
+def lm_logits(wte: TokenEmbedding, h: torch.Tensor) -> torch.Tensor:
+    """Last layer: (b, n, d) → logits (b, n, vocab) through the tied embedding matrix."""
+    return F.linear(h, wte.weight)
+
+
+class PositionEmbedding(nn.Module):
+    """Adds the learned absolute position `wpe` to the token embedding, then embedding dropout."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_positions = cfg.n_positions
+        # A bare parameter, so its name is "wpe.weight" as in GPT-2.
+        self.weight = nn.Parameter(torch.empty(cfg.n_positions, cfg.n_embd).normal_(mean=0.0, std=0.02))
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x):
+        x, *rest = x if isinstance(x, tuple) else (x,)
+        n = x.shape[1]
+        if n > self.n_positions:
+            raise ValueError(f"sequence of {n} tokens is longer than model.n_positions ({self.n_positions})")
+        h = self.drop(x + self.weight[:n])  # (b, n, d)
+        return (h, *rest) if rest else h
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_head, self.dropout = cfg.n_head, cfg.dropout
+        # One fused projection for q, k, v: the layout of GPT-2's c_attn.
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, n, d)
+        q, k, v = rearrange(self.c_attn(x), "b n (three h c) -> three b h n c", three=3, h=self.n_head)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.resid_drop(self.c_proj(rearrange(y, "b h n c -> b n (h c)")))
+
+
+class MLP(nn.Module):
+    def __init__(self, n_embd: int, dropout: float):
+        super().__init__()
+        self.c_fc = nn.Linear(n_embd, 4 * n_embd)
+        self.c_proj = nn.Linear(4 * n_embd, n_embd)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # GPT-2's "gelu_new" is the tanh approximation.
+        return self.drop(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    """Pre-LN decoder layer: h + attn(ln(h)), then h + mlp(ln(h)).
+
+    Accepts `h` or a tuple `(h, *rest)`; `rest` (int64 ids, RETRO's encoded neighbours) passes
+    through unchanged, which is what lets the same block sit anywhere in a pipeline.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = MLP(cfg.n_embd, cfg.dropout)
+        init_weights(self, cfg.n_layer)
+
+    def forward(self, x):
+        h, *rest = x if isinstance(x, tuple) else (x,)
+        h = h + self.attn(self.ln_1(h))
+        h = h + self.mlp(self.ln_2(h))
+        return (h, *rest) if rest else h
+
+
+class GPT2(nn.Module):
+    """The baseline: `forward(tokens (b, n) int64) -> logits (b, n, vocab)`.
+
+    The forward below is literally the layer list of `layers.layer_list(cfg)` run in order, so the
+    pipeline form computes bit-identical results from the same state dict.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = TokenEmbedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = PositionEmbedding(cfg)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+
+    def forward(self, tokens: torch.Tensor, neighbours: torch.Tensor | None = None) -> torch.Tensor:
+        if neighbours is not None:
+            raise ValueError("the GPT-2 baseline takes no neighbours (model.kind is 'gpt2')")
+        h = self.wpe(embed_tokens(self.wte, tokens))  # (b, n, d)
+        for block in self.blocks:
+            h = block(h)
+        return lm_logits(self.wte, self.ln_f(h))  # (b, n, vocab)
+
+    def num_parameters(self, trainable_only: bool = False) -> int:
+        return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
+
+
+def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over labels != -100 (padding); labels are already the next tokens.
+
+    Computed in fp32 whatever the logits' dtype. A micro-batch with no label at all gives 0, not
+    NaN, so an all-padding micro-batch cannot poison a pipeline step.
+    """
+    logits = rearrange(logits, "b n v -> (b n) v").float()
+    labels = rearrange(labels, "b n -> (b n)")
+    total = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    return total / (labels != IGNORE_INDEX).sum().clamp(min=1)

@@ -1,0 +1,162 @@
+"""RETRO (Borgeaud et al. 2021, §2.4 and Appendix B): the GPT-2 trunk plus chunked cross-attention.
+
+    Retro(cfg).forward(tokens (b, n) int64, neighbours (b, l, k, r) int64 | None) -> (b, n, vocab)
+
+n = l · chunk_len; each of the k neighbours of chunk u is r tokens (the retrieved chunk and its
+continuation, r = 2 · chunk_len), -1 where missing. `neighbours=None` or all -1 is RETRO[OFF]:
+every CCA contributes an exact zero and the model computes its GPT-2 trunk alone.
+
+A `RetroBlock` is a GPT-2 `Block` with a CCA between self-attention and MLP; the first one also
+owns the retrieval encoder, which reads the decoder activations right after that block's
+self-attention (paper: the encoder is conditioned on the activations at the first CCA layer).
+Trunk parameter names equal GPT-2's, so a GPT-2 state dict loads into RETRO as is (RETRO-fit).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from training.cca import ChunkedCrossAttention
+from training.config import ModelConfig
+from training.encoder import RetrievalEncoder
+from training.model import GPT2, Block, PositionEmbedding, TokenEmbedding, init_weights, lm_logits
+
+# Trunk fields a RETRO-fit must share with its GPT-2 checkpoint.
+TRUNK_FIELDS = ("vocab_size", "n_positions", "n_layer", "n_head", "n_embd")
+
+
+def check_inputs(tokens: torch.Tensor, neighbours: torch.Tensor, chunk_len: int) -> None:
+    if tokens.dim() != 2 or tokens.dtype != torch.int64:
+        raise ValueError(f"tokens must be (b, n) int64, got {tuple(tokens.shape)} {tokens.dtype}")
+    b, n = tokens.shape
+    if n % chunk_len:
+        raise ValueError(f"RETRO needs a sequence length that is a multiple of model.chunk_len "
+                         f"({chunk_len}), got {n} tokens")
+    if neighbours.dim() != 4 or tuple(neighbours.shape[:2]) != (b, n // chunk_len) or neighbours.dtype != torch.int64:
+        raise ValueError(f"neighbours must be (b, l, k, r) = ({b}, {n // chunk_len}, k, r) int64 "
+                         f"(l = n / chunk_len), got {tuple(neighbours.shape)} {neighbours.dtype}")
+
+
+def no_neighbours(tokens: torch.Tensor, chunk_len: int) -> torch.Tensor:
+    """RETRO[OFF]: one missing neighbour (all -1) of 2 · chunk_len tokens per chunk."""
+    b, n = tokens.shape
+    return torch.full((b, max(n // chunk_len, 1), 1, 2 * chunk_len), -1, dtype=torch.int64, device=tokens.device)
+
+
+def embed_inputs(wte: TokenEmbedding, x, chunk_len: int):
+    """First RETRO layer (tied use of wte): (tokens, neighbours) → (token embeddings (b, n, d), neighbours)."""
+    tokens, neighbours = x
+    check_inputs(tokens, neighbours, chunk_len)
+    return F.embedding(tokens, wte.weight), neighbours
+
+
+def embed_neighbours(wte: TokenEmbedding, x):
+    """Tied use of wte just before the first CCA layer: (h, ids) → (h, ids, embedded (b, l, k, r, d)).
+
+    Missing tokens (-1) embed as token 0; the encoder and the CCA mask them out. The embedded
+    float tensor reaches the encoder, so it receives a gradient (a DeepSpeed pipe requirement).
+    """
+    h, neighbours = x
+    return h, neighbours, F.embedding(neighbours.clamp(min=0), wte.weight)
+
+
+class RetroBlock(Block):
+    """Block + CCA. Tuple in: (h, ids, embedded) for the first, (h, ids, encoded) for later ones.
+
+    Tuple out: (h, ids, encoded), except the last CCA layer, which returns h alone: nothing
+    downstream needs the neighbours, and a pipeline must not carry a float nobody differentiates.
+    """
+
+    def __init__(self, cfg: ModelConfig, first: bool, last: bool):
+        super().__init__(cfg)
+        self.first, self.last = first, last
+        self.cca = ChunkedCrossAttention(cfg)
+        init_weights(self.cca, cfg.n_layer)
+        if first:
+            self.encoder = RetrievalEncoder(cfg)
+
+    def forward(self, x):
+        h, neighbours, z = x
+        h = h + self.attn(self.ln_1(h))
+        encoded = self.encoder(z, neighbours, h) if self.first else z  # (b, l, k, r, e), once
+        h = h + self.cca(h, encoded, neighbours)
+        h = h + self.mlp(self.ln_2(h))
+        return h if self.last else (h, neighbours, encoded)
+
+
+def is_retrieval_parameter(name: str) -> bool:
+    """CCA and encoder parameters: the ones a RETRO-fit trains (works for any container's names)."""
+    parts = name.split(".")
+    return "cca" in parts or "encoder" in parts
+
+
+def freeze_trunk(module: nn.Module) -> nn.Module:
+    for name, p in module.named_parameters():
+        if not is_retrieval_parameter(name):
+            p.requires_grad_(False)
+    return module
+
+
+class Retro(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.kind != "retro":
+            raise ValueError(f"Retro needs model.kind 'retro', got {cfg.kind!r}")
+        self.cfg = cfg
+        cca = [i - 1 for i in cfg.cca_layers()]  # 0-indexed
+        self.first_cca = cca[0]
+        self.wte = TokenEmbedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = PositionEmbedding(cfg)
+        self.blocks = nn.ModuleList(
+            RetroBlock(cfg, first=i == cca[0], last=i == cca[-1]) if i in cca else Block(cfg)
+            for i in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        if cfg.freeze_trunk:
+            freeze_trunk(self)
+
+    def forward(self, tokens: torch.Tensor, neighbours: torch.Tensor | None = None) -> torch.Tensor:
+        if neighbours is None:
+            neighbours = no_neighbours(tokens, self.cfg.chunk_len)
+        # Exactly the layer list of layers.layer_list(cfg), in order.
+        x = self.wpe(embed_inputs(self.wte, (tokens, neighbours), self.cfg.chunk_len))  # (h, ids)
+        for i, block in enumerate(self.blocks):
+            if i == self.first_cca:
+                x = embed_neighbours(self.wte, x)
+            x = block(x)
+        return lm_logits(self.wte, self.ln_f(x))  # (b, n, vocab)
+
+    def num_parameters(self, trainable_only: bool = False) -> int:
+        return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
+
+
+def retrofit(source: GPT2 | str | os.PathLike, retro_cfg: ModelConfig | None = None) -> Retro:
+    """RETRO-fit (paper §4.2): RETRO around a trained GPT-2 whose trunk is frozen.
+
+    `source`: a GPT2 model, or a directory (ours, or a Hugging Face GPT-2 one). `retro_cfg`: the
+    RETRO config (kind 'retro'; its trunk fields must match the checkpoint's); None = the
+    checkpoint's config with kind 'retro' and the default CCA layers and encoder. Returns a
+    model in train mode with freeze_trunk=True: only CCA and encoder parameters require grad.
+    """
+    if isinstance(source, (str, os.PathLike)):
+        from training.model_io import load_pretrained  # model_io imports this module
+        source = load_pretrained(source)
+    if not isinstance(source, GPT2):
+        raise ValueError(f"retrofit needs a GPT-2 model or checkpoint, got {type(source).__name__}")
+    if retro_cfg is None:
+        retro_cfg = dataclasses.replace(source.cfg, kind="retro")
+    for key in TRUNK_FIELDS:
+        if getattr(retro_cfg, key) != getattr(source.cfg, key):
+            raise ValueError(f"retrofit: model.{key} is {getattr(retro_cfg, key)} but the GPT-2 checkpoint "
+                             f"has {getattr(source.cfg, key)}")
+    retro_cfg = dataclasses.replace(retro_cfg, kind="retro", freeze_trunk=True)
+    model = Retro(retro_cfg)
+    missing, unexpected = model.load_state_dict(source.state_dict(), strict=False)
+    trunk_missing = [k for k in missing if not is_retrieval_parameter(k)]
+    if unexpected or trunk_missing:
+        raise ValueError(f"retrofit: state dict mismatch, unexpected {unexpected}, missing {trunk_missing}")
+    return model.train()
