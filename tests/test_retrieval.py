@@ -1,0 +1,485 @@
+"""Retrieval database: embeddings, FAISS index, leak-free neighbours, the reader, faults, Ray.
+
+Real components throughout (sentence-transformers, FAISS, Ray); the stores are handcrafted
+corpora with 8-token chunks, so embedding them takes a second or two.
+"""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from data.chunking import split_of
+from data.config import DataConfig
+from data.neighbours import NeighbourStore
+from data.prepare import prepare
+from data.readers import DataError
+from data.store import ChunkStore
+from retrieval.config import RetrievalConfig
+from retrieval.embed import (Embeddings, cached_embedder, embed, embed_store, resolve_model_path,
+                             serial_embed_runner)
+from retrieval.files import RetrievalError, fingerprint, read_json, save_npy, write_json
+from retrieval.index import build_index, exact_search, load_index, make_index, sample_rows
+from retrieval.neighbours import excluded_documents, select_neighbours
+from retrieval.pipeline import build_retrieval
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+TOPICS = ["apples and pears grow in the orchard", "the ship sails across stormy ocean waves",
+          "compilers parse source code into syntax trees", "violins and cellos play in the orchestra",
+          "glaciers carve valleys in the cold mountains", "bakers knead dough for fresh bread"]
+CHUNK_LEN, SEQ_CHUNKS = 8, 4  # 8-token chunks; training sequences of 4 chunks (seq_len 32)
+
+
+def doc_id(split: str, n: int, seed: int = 1234, fraction: float = 0.2) -> str:
+    """An id that the data stage puts in `split` (the split is a hash of the id)."""
+    i = 0
+    while split_of(f"{split}-{n}-{i}", seed, fraction) != split:
+        i += 1
+    return f"{split}-{n}-{i}"
+
+
+def make_store(root: Path, docs: list[tuple[str, str]], docs_per_shard: int = 4) -> ChunkStore:
+    """Prepare [(split, text)] into root/data with 8-token chunks; return the ChunkStore."""
+    corpus = root / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"id": doc_id(s, n), "text": t}) + "\n" for n, (s, t) in enumerate(docs)))
+    cfg = DataConfig(corpus=str(corpus), chunk_len=CHUNK_LEN, validation_fraction=0.2, docs_per_shard=docs_per_shard)
+    prepare(cfg, root / "data", progress=False)
+    return ChunkStore(root / "data")
+
+
+def topic_docs(n_train: int = 14, n_val: int = 3) -> list[tuple[str, str]]:
+    """Documents repeating one topic each, so the nearest chunks are often of the same document."""
+    docs = [("train", " ".join([TOPICS[i % len(TOPICS)]] * (1 + i % 3))) for i in range(n_train)]
+    docs[3:3] = [("validation", TOPICS[i % len(TOPICS)]) for i in range(n_val)]
+    return docs
+
+
+def retrieval_cfg(**kw) -> RetrievalConfig:
+    return RetrievalConfig(**{"embed_batch_size": 8, "recall_queries": 10, "train_sample": 0, **kw})
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """A topic store and its retrieval database, built once in-process (the reference)."""
+    root = tmp_path_factory.mktemp("built")
+    store = make_store(root, topic_docs())
+    result = build_retrieval(retrieval_cfg(), store, root / "retrieval", chunks_per_seq=SEQ_CHUNKS)
+    return root, store, result
+
+
+def neighbours_of(root: Path) -> dict:
+    return {s: np.load(root / "retrieval" / "neighbours" / f"{s}.npy", allow_pickle=False)
+            for s in ("train", "validation")}
+
+
+# --- embedding ---------------------------------------------------------------------------
+
+def test_embed_matches_sentence_transformers_encode():
+    model = cached_embedder(str(resolve_model_path("")))
+    texts = ["a", "The ship sails across stormy ocean waves, far from home.", "", "naïve café — 12345",
+             "compilers " * 40, "bread"]
+    ours = embed(model, texts, sub_batch=4)
+    reference = model.encode(texts, batch_size=3, normalize_embeddings=True, convert_to_numpy=True)
+    assert ours.shape == (6, 384) and ours.dtype == np.float32
+    np.testing.assert_allclose(ours, reference, atol=2e-5)
+    np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)
+
+
+def test_embeddings_are_aligned_with_chunk_shards(built):
+    root, store, result = built
+    manifest = result["embeddings"]
+    assert manifest["dim"] == 384 and manifest["model"] == "sentence-transformers/all-MiniLM-L6-v2"
+    assert manifest["chunk_store_fingerprint"] == store.fingerprint
+    for split in ("train", "validation"):
+        names = [n.replace(".arrow", ".npy") for n in store.manifest["shards"][split]]
+        assert manifest["shards"][split] == names
+        for name, count in zip(names, store.manifest["shard_chunks"][split]):
+            arr = np.load(root / "retrieval" / "embeddings" / split / name, allow_pickle=False)
+            assert arr.shape == (count, 384) and arr.dtype == np.float16
+
+
+# --- neighbour selection -----------------------------------------------------------------
+
+def test_select_neighbours_excludes_documents_and_pads():
+    db_doc = np.array([0, 0, 1, 1, 2, 3])  # document of each database chunk
+    cand = np.array([[0, 2, 4, 5], [1, 0, -1, -1], [5, 3, 2, 4]])
+    excluded = np.array([[0, -1], [0, -1], [1, 3]])
+    out = select_neighbours(cand, db_doc, excluded, k=2)
+    assert out.tolist() == [[2, 4], [-1, -1], [4, -1]]
+    assert select_neighbours(cand[:, :1], db_doc, excluded, k=3).tolist() == [[-1] * 3, [-1] * 3, [-1] * 3]
+
+
+def test_excluded_documents_cover_the_whole_sequence():
+    doc_index = np.array([7, 7, 8, 9, 9, 9, 10])  # 7 chunks, sequences of 3: [0,1,2] [3,4,5] [6]
+    assert excluded_documents(doc_index, np.array([1, 4, 6]), 3).tolist() == [[7, 7, 8], [9, 9, 9], [10, -1, -1]]
+    assert excluded_documents(doc_index, np.array([1, 4]), None).tolist() == [[7], [9]]
+
+
+def test_no_neighbour_from_the_same_document_or_sequence(built):
+    root, store, result = built
+    nbrs = neighbours_of(root)
+    train, val = store.split("train"), store.split("validation")
+    assert nbrs["train"].shape == (len(train), 2) and nbrs["validation"].shape == (len(val), 2)
+    for q in range(len(train)):
+        seq_docs = set(train.doc_index[train.sequence_chunk_ids(q // SEQ_CHUNKS, SEQ_CHUNKS).clip(max=len(train) - 1)])
+        for n in nbrs["train"][q]:
+            assert n == -1 or train.doc_index[n] not in seq_docs
+    assert (nbrs["validation"] >= 0).all()  # the database holds only training documents: nothing excluded
+    # The rule must have fired: for some chunks the raw nearest candidate was from their own sequence.
+    emb = Embeddings(root / "retrieval" / "embeddings", result["embeddings"])
+    _, raw = exact_search(emb.rows("train", np.arange(len(train))), emb.shards("train"), 3)
+    same_seq = [train.doc_index[raw[q, 1]] in set(train.doc_index[(q // SEQ_CHUNKS) * SEQ_CHUNKS:][:SEQ_CHUNKS])
+                for q in range(len(train))]
+    assert sum(same_seq) >= 3
+
+
+def test_fewer_allowed_chunks_than_k_are_padded_not_wrapped(tmp_path):
+    # Train: doc A (3 chunks) and doc B (1 chunk); chunks_per_seq=1 leaves only the same-doc rule.
+    store = make_store(tmp_path, [("train", "one two three four five six seven eight " * 3),
+                                  ("train", "alpha beta"), ("validation", "one two three")])
+    train = store.split("train")
+    assert len(train) >= 4 and len(set(train.doc_index.tolist())) == 2
+    build_retrieval(retrieval_cfg(k=2, candidates=10), store, tmp_path / "retrieval", chunks_per_seq=1)
+    nbrs = neighbours_of(tmp_path)["train"]
+    doc_b = train.doc_index[-1]
+    b_chunk = int(np.flatnonzero(train.doc_index == doc_b)[0])
+    for q in np.flatnonzero(train.doc_index != doc_b):
+        assert nbrs[q].tolist() == [b_chunk, -1]
+    manifest = read_json(tmp_path / "retrieval" / "neighbours" / "manifest.json")
+    assert manifest["splits"]["train"]["missing"] == (train.doc_index != doc_b).sum()
+
+
+# --- index -------------------------------------------------------------------------------
+
+def fake_embeddings(root: Path, shard_sizes: list[int], dim: int = 32, seed: int = 0) -> Embeddings:
+    """An embeddings directory of clustered unit vectors in real files (for index tests)."""
+    rng = np.random.default_rng(seed)
+    centres = rng.standard_normal((16, dim))
+    (root / "train").mkdir(parents=True)
+    (root / "validation").mkdir()
+    names = []
+    for i, n in enumerate(shard_sizes):
+        x = centres[rng.integers(0, 16, n)] + 0.3 * rng.standard_normal((n, dim))
+        x /= np.linalg.norm(x, axis=1, keepdims=True)
+        names.append(f"shard-{i:05d}.npy")
+        save_npy(root / "train" / names[-1], x.astype(np.float16))
+        save_npy(root / "validation" / names[-1], np.zeros((0, dim), np.float16))
+    manifest = {"dim": dim, "shards": {"train": names, "validation": names},
+                "shard_chunks": {"train": shard_sizes, "validation": [0] * len(names)},
+                "fingerprint": fingerprint(shard_sizes)}
+    write_json(root / "manifest.json", manifest)
+    return Embeddings(root, manifest)
+
+
+@pytest.mark.parametrize("factory", ["Flat", "IVF8,Flat", "IVF8,PQ4"])
+def test_sharded_merged_index_equals_single_pass(tmp_path, factory):
+    emb = fake_embeddings(tmp_path / "emb", [700, 0, 500, 800])
+    manifest = build_index(emb, tmp_path / "index", factory, train_sample=1500, seed=3)
+    merged = load_index(tmp_path / "index", manifest, emb.dim, nprobe=4, ef_search=16)
+    single = make_index(factory, emb.dim)
+    if not single.is_trained:
+        single.train(sample_rows(emb, 1500, 3))
+    everything = np.concatenate([x for _, x in emb.shards("train")])
+    if manifest["merge"] == "ivf":
+        single.add_with_ids(everything, np.arange(len(everything)))
+        single.nprobe = 4
+        assert (tmp_path / "index" / "index.ivfdata").exists()  # on-disk inverted lists
+    else:
+        single.add(everything)
+    queries = everything[::37]
+    d1, i1 = merged.search(queries, 5)
+    d2, i2 = single.search(queries, 5)
+    np.testing.assert_array_equal(i1, i2)
+    np.testing.assert_allclose(d1, d2, rtol=1e-5, atol=1e-6)
+    assert manifest["ntotal"] == 2000 and not list((tmp_path / "index" / "shards").iterdir())
+
+
+def test_ivf_index_survives_moving_the_workdir(tmp_path):
+    emb = fake_embeddings(tmp_path / "emb", [600, 600])
+    manifest = build_index(emb, tmp_path / "index", "IVF8,Flat", train_sample=0, seed=1)
+    shutil.move(tmp_path / "index", tmp_path / "moved")
+    index = load_index(tmp_path / "moved", manifest, emb.dim, nprobe=8, ef_search=16)
+    _, ids = index.search(emb.rows("train", np.arange(5)), 1)
+    assert ids[:, 0].tolist() == list(range(5))
+
+
+# --- resume ------------------------------------------------------------------------------
+
+class Interrupt(Exception):
+    pass
+
+
+def test_interrupted_stages_resume_to_identical_neighbours(built, tmp_path):
+    ref_root, ref_store, ref = built
+    root = tmp_path
+    shutil.copytree(ref_root / "data", root / "data")
+    store = ChunkStore(root / "data")
+    cfg = retrieval_cfg()
+
+    def dies_midway(spec, jobs):  # the embedding stage killed after a few jobs
+        for n, item in enumerate(serial_embed_runner(spec, jobs)):
+            if n == 3:
+                raise Interrupt()
+            yield item
+
+    with pytest.raises(Interrupt):
+        build_retrieval(cfg, store, root / "retrieval", SEQ_CHUNKS, embed_runner=dies_midway)
+    assert not (root / "retrieval" / "embeddings" / "manifest.json").exists()
+
+    def add_dies(fn, jobs, n):  # the index stage killed after one shard was added
+        for i, args in enumerate(jobs):
+            if i == 1:
+                raise Interrupt()
+            yield fn(*args)
+
+    with pytest.raises(Interrupt):
+        build_retrieval(cfg, store, root / "retrieval", SEQ_CHUNKS, executor=add_dies)
+    assert read_json(root / "retrieval" / "embeddings" / "manifest.json") is not None
+    assert not (root / "retrieval" / "index" / "manifest.json").exists()
+
+    result = build_retrieval(cfg, store, root / "retrieval", SEQ_CHUNKS)
+    assert result["embeddings"]["sha256"] == ref["embeddings"]["sha256"]
+    for split, arr in neighbours_of(root).items():
+        np.testing.assert_array_equal(arr, neighbours_of(ref_root)[split])
+
+    # The last stage's output lost: only it is redone, to the same bytes.
+    (root / "retrieval" / "neighbours" / "manifest.json").unlink()
+    (root / "retrieval" / "neighbours" / "train.npy").unlink()
+    again = build_retrieval(cfg, store, root / "retrieval", SEQ_CHUNKS)
+    assert again["embeddings"].get("skipped") and again["index"].get("skipped")
+    assert not again["neighbours"].get("skipped")
+    assert again["neighbours"]["splits"] == ref["neighbours"]["splits"]
+
+    # Other inputs (a new k) rebuild the neighbours only; the same inputs skip everything.
+    other = build_retrieval(retrieval_cfg(k=1), store, root / "retrieval", SEQ_CHUNKS)
+    assert other["index"].get("skipped") and other["neighbours"]["k"] == 1
+    assert build_retrieval(retrieval_cfg(k=1), store, root / "retrieval", SEQ_CHUNKS)["neighbours"].get("skipped")
+
+
+# --- the reader (data/neighbours.py) -------------------------------------------------------
+
+def test_neighbour_store_tokens_and_mask(built):
+    root, store, _ = built
+    reader = NeighbourStore(root / "retrieval", store, chunks_per_seq=SEQ_CHUNKS)
+    train = store.split("train")
+    chunk_ids = train.sequence_chunk_ids(np.array([0, 1]), SEQ_CHUNKS)          # (b=2, l=4)
+    ids = reader.neighbour_ids("train", chunk_ids)
+    tokens, mask = reader.neighbour_tokens("train", chunk_ids)
+    assert ids.shape == (2, 4, 2) and tokens.shape == mask.shape == (2, 4, 2, 2 * CHUNK_LEN)
+    assert tokens.dtype == np.int64 and mask.dtype == bool
+    assert (tokens[~mask] == store.pad_id).all()
+    cont = train.continuation_ids()
+    for b, l, j in np.ndindex(2, 4, 2):
+        n = ids[b, l, j]
+        assert n >= 0
+        length = train.lengths[n]
+        np.testing.assert_array_equal(tokens[b, l, j, :length], train.tokens([n])[0, :length])
+        assert mask[b, l, j, :CHUNK_LEN].tolist() == [p < length for p in range(CHUNK_LEN)]
+        c = cont[n]
+        if c < 0:  # the neighbour ends its document: no continuation
+            assert not mask[b, l, j, CHUNK_LEN:].any()
+        else:
+            np.testing.assert_array_equal(tokens[b, l, j, CHUNK_LEN:CHUNK_LEN + train.lengths[c]],
+                                          train.tokens([c])[0, :train.lengths[c]])
+    one = reader.neighbour_tokens("validation", np.zeros((1, 1), np.int64), k=1)[0]
+    assert one.shape == (1, 1, 1, 2 * CHUNK_LEN)
+    with pytest.raises(DataError, match="stores 2"):
+        reader.neighbour_ids("train", chunk_ids, k=3)
+
+
+def test_neighbour_store_masks_missing_neighbours(tmp_path, built):
+    root, store, _ = built
+    shutil.copytree(root / "retrieval" / "neighbours", tmp_path / "neighbours")
+    arr = np.load(tmp_path / "neighbours" / "train.npy", allow_pickle=False)
+    arr[0] = [5, -1]
+    save_npy(tmp_path / "neighbours" / "train.npy", arr)
+    tokens, mask = NeighbourStore(tmp_path, store).neighbour_tokens("train", np.array([[0]]))
+    assert mask[0, 0, 0, 0] and not mask[0, 0, 1].any() and (tokens[0, 0, 1] == store.pad_id).all()
+
+
+def test_neighbour_store_refuses_stale_neighbours(tmp_path, built):
+    root, store, _ = built
+    shutil.copytree(root / "retrieval" / "neighbours", tmp_path / "neighbours")
+    manifest = read_json(tmp_path / "neighbours" / "manifest.json")
+    write_json(tmp_path / "neighbours" / "manifest.json", {**manifest, "chunk_store_fingerprint": "0ld"})
+    with pytest.raises(DataError, match=f"0ld.*{store.fingerprint}.*build_index"):
+        NeighbourStore(tmp_path, store)
+    write_json(tmp_path / "neighbours" / "manifest.json", manifest)
+    with pytest.raises(DataError, match="8 chunks per sequence"):
+        NeighbourStore(tmp_path, store, chunks_per_seq=8)
+    with pytest.raises(DataError, match="no neighbours"):
+        NeighbourStore(tmp_path / "nowhere", store)
+
+
+# --- bad input: clear errors, exit code 2 --------------------------------------------------
+
+def run_cli(workdir: Path, *sets: str, capsys=None) -> tuple[int, str]:
+    from launch.build_index import main
+
+    args = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--no-progress", "--set", f"workdir={workdir}",
+            "--set", f"data.chunk_len={CHUNK_LEN}", "--set", "train.seq_len=32"]
+    for s in sets:
+        args += ["--set", s]
+    code = main(args)
+    return code, capsys.readouterr().err if capsys else ""
+
+
+def test_missing_or_corrupt_chunk_store_is_exit_2(tmp_path, built, capsys):
+    code, err = run_cli(tmp_path / "empty", capsys=capsys)
+    assert code == 2 and "manifest.json" in err and "prepare_data" in err
+    shutil.copytree(built[0] / "data", tmp_path / "w" / "data")
+    shard = tmp_path / "w" / "data" / "train" / "shard-00000.arrow"
+    shard.write_bytes(shard.read_bytes()[:100])
+    code, err = run_cli(tmp_path / "w", capsys=capsys)
+    assert code == 2 and "shard-00000.arrow" in err
+
+
+@pytest.mark.parametrize("setting, key", [("retrieval.index=IVF4,PQ7", "retrieval.index"),
+                                          ("retrieval.index=NotAnIndex9", "retrieval.index"),
+                                          ("retrieval.k=100000 retrieval.candidates=100000", "retrieval.k")])
+def test_bad_settings_are_exit_2_naming_the_key(tmp_path, built, capsys, setting, key):
+    shutil.copytree(built[0] / "data", tmp_path / "data")
+    code, err = run_cli(tmp_path, *setting.split(), capsys=capsys)
+    assert code == 2 and f"'{key}'" in err, err
+    assert not (tmp_path / "retrieval" / "embeddings" / "manifest.json").exists()  # failed before any work
+
+
+def test_index_dimension_mismatch_is_a_clear_error(tmp_path, built, capsys):
+    import faiss
+
+    shutil.copytree(built[0] / "data", tmp_path / "data")
+    shutil.copytree(built[0] / "retrieval", tmp_path / "retrieval")
+    faiss.write_index(faiss.IndexFlatL2(16), str(tmp_path / "retrieval" / "index" / "index.faissindex"))
+    shutil.rmtree(tmp_path / "retrieval" / "neighbours")
+    code, err = run_cli(tmp_path, "retrieval.embed_batch_size=8", "retrieval.recall_queries=10",
+                        "retrieval.train_sample=0", capsys=capsys)
+    assert code == 2 and "index.faissindex" in err and "dimension 16" in err and "384" in err
+
+
+def test_untrainable_index_names_the_key(tmp_path):
+    emb = fake_embeddings(tmp_path / "emb", [50])
+    with pytest.raises(RetrievalError, match="retrieval.index.*IVF64"):
+        build_index(emb, tmp_path / "index", "IVF64,Flat", train_sample=0, seed=0)
+
+
+# --- Ray: a killed actor, and `ray job submit` ----------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop_ray_head(proc: subprocess.Popen, temp_dir: str) -> None:
+    """Stop only the head these tests started (not `ray stop`, which would stop every Ray here)."""
+    proc.terminate()  # `ray start --block` takes the processes it started down with it
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        pass
+    for pid in os.listdir("/proc"):  # anything of this head that outlived it, by its own temp dir
+        if pid.isdigit():
+            try:
+                if temp_dir.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    os.kill(int(pid), signal.SIGKILL)
+            except (OSError, ProcessLookupError):
+                pass
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    """A real local Ray head (`ray start --head`), shared by the Ray tests; yields (gcs, dashboard, env)."""
+    ray = str(Path(PY).parent / "ray")
+    port, dash = free_port(), free_port()
+    temp_dir = tempfile.mkdtemp(prefix="/tmp/rpray")  # short: Ray's socket paths have a length limit
+    # Ray >= 2.5x heads default to token auth; this head listens on 127.0.0.1 only, so no token.
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    head = subprocess.Popen([ray, "start", "--head", "--block", "--port", str(port), "--dashboard-host", "127.0.0.1",
+                             "--dashboard-port", str(dash), "--num-cpus", "2", "--temp-dir", temp_dir,
+                             "--include-dashboard", "true"], env=env, cwd=ROOT, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    saved = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"  # for the drivers this process connects
+    try:
+        address = f"http://127.0.0.1:{dash}"
+        deadline = time.time() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"{address}/api/version", timeout=2)
+                break
+            except OSError:
+                if time.time() > deadline or head.poll() is not None:
+                    pytest.fail("the Ray head did not come up")
+                time.sleep(1)
+        yield f"127.0.0.1:{port}", address, env
+    finally:
+        stop_ray_head(head, temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        if saved is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = saved
+
+
+@pytest.mark.slow
+def test_killed_ray_actor_is_retried_without_corrupting_output(built, tmp_path, ray_head):
+    from launch.ray_utils import RayExecutor
+    from retrieval.ray_embed import EmbedChunks, RayEmbedRunner
+
+    ref_root, store, ref = built
+    marker = tmp_path / "killed-once"
+
+    class KillsItselfOnce(EmbedChunks):
+        def __call__(self, batch):
+            if not marker.exists():
+                marker.touch()
+                os.kill(os.getpid(), signal.SIGKILL)  # a worker dying mid-stage, not an exception
+            return super().__call__(batch)
+
+    executor = RayExecutor(address=ray_head[0])
+    try:
+        runner = RayEmbedRunner(executor, actors=1, udf=KillsItselfOnce)
+        manifest = embed_store(store, tmp_path / "embeddings", "", 8, runner)
+    finally:
+        executor.close()
+    assert marker.exists()
+    for split in ("train", "validation"):
+        for name in manifest["shards"][split]:
+            ours = np.load(tmp_path / "embeddings" / split / name, allow_pickle=False)
+            theirs = np.load(ref_root / "retrieval" / "embeddings" / split / name, allow_pickle=False)
+            assert ours.shape == theirs.shape
+            np.testing.assert_allclose(ours.astype(np.float32), theirs.astype(np.float32), atol=2e-3)
+
+
+@pytest.mark.slow
+def test_ray_job_submit_to_a_local_head(built, tmp_path, ray_head):
+    ref_root, store, _ = built
+    shutil.copytree(ref_root / "data", tmp_path / "data")
+    _, address, env = ray_head
+    job = subprocess.run([str(Path(PY).parent / "ray"), "job", "submit", "--address", address, "--working-dir", ".",
+                          "--", PY, "launch/build_index.py", "--config", "configs/tiny.yaml", "--no-progress",
+                          "--set", f"workdir={tmp_path}", "--set", f"data.chunk_len={CHUNK_LEN}",
+                          "--set", "train.seq_len=32", "--set", "retrieval.embed_batch_size=8",
+                          "--set", "retrieval.recall_queries=10", "--set", "retrieval.train_sample=0"],
+                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    assert "retrieval database in" in job.stdout and "recall@2" in job.stdout
+    reader = NeighbourStore(tmp_path / "retrieval", ChunkStore(tmp_path / "data"), chunks_per_seq=SEQ_CHUNKS)
+    for split in ("train", "validation"):
+        ours, theirs = reader.ids(split), neighbours_of(ref_root)[split]
+        assert ours.shape == theirs.shape and (ours == theirs).mean() > 0.9  # same up to float ties
