@@ -194,6 +194,9 @@ def _validate_across_sections(cfg: Config, source: str) -> None:
     if cfg.model.kind == "retro" and cfg.train.neighbours > cfg.retrieval.k:
         raise ConfigError("train.neighbours", f"{cfg.train.neighbours} exceeds retrieval.k "
                           f"({cfg.retrieval.k}), the neighbours stored per chunk", source)
+    if cfg.model.freeze_trunk and not cfg.train.init_from:
+        raise ConfigError("model.freeze_trunk", "a RETRO-fit freezes a trained trunk: set train.init_from "
+                          "to a GPT-2 checkpoint (ours or a Hugging Face directory)", source)
 
 
 def save_config(cfg: Config, out_dir: str | os.PathLike) -> Path:

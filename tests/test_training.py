@@ -21,7 +21,8 @@ TINY = ["data.chunk_len=16", "data.max_documents=300", "data.validation_fraction
         "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.n_positions=64", "model.encoder_layers=1",
         "model.encoder_embd=16", "model.encoder_head=2", "train.micro_batch_size=2", "train.micro_batches=2",
         "train.steps=8", "train.precision=fp32", "train.eval_every=0", "train.eval_batches=2",
-        "train.checkpoint_every=3", "train.warmup_steps=1", "train.lr=2e-2", "train.min_lr=2e-3"]
+        "train.checkpoint_every=3", "train.warmup_steps=1", "train.lr=2e-2", "train.min_lr=2e-3",
+        "eval.window=64", "eval.stride=32"]
 
 
 def sets(*overrides):
@@ -122,3 +123,73 @@ def test_misconfigurations_are_refused_before_any_work(workdir):
                            *sets(f"workdir={workdir}", "train.pipeline_stages=3")], cwd=ROOT,
                           capture_output=True, text=True, env={**os.environ, "WORLD_SIZE": "2", "RANK": "0"})
     assert proc.returncode == 2 and "train.pipeline_stages" in proc.stderr
+
+
+# --- RETRO: neighbours from a real retrieval database --------------------------------------------
+
+@pytest.fixture(scope="module")
+def retro_workdir(tmp_path_factory):
+    """A smaller corpus with its retrieval database (real BERT embeddings, FAISS Flat)."""
+    from data.store import ChunkStore
+    from retrieval.pipeline import build_retrieval
+
+    wd = tmp_path_factory.mktemp("retro")
+    cfg = load_config(ROOT / "configs" / "tiny-retro.yaml", [f"workdir={wd}", *TINY, "data.max_documents=100"])
+    prepare(cfg.data, cfg.data_dir, progress=False)
+    build_retrieval(cfg.retrieval, ChunkStore(cfg.data_dir), cfg.retrieval_dir,
+                    chunks_per_seq=cfg.train.seq_len // cfg.data.chunk_len)
+    return wd
+
+
+def test_retro_trains_on_two_stages_and_equals_one_stage(retro_workdir):
+    # "uniform" cuts between the neighbour embedding and the first RETRO block, so the
+    # (hidden, ids, embedded neighbours) tuple crosses the stage boundary.
+    common = ["--config", "configs/tiny-retro.yaml"]
+    code, log = train(2, [*common, *sets(f"workdir={retro_workdir}", "train.name=two", "train.partition=uniform")],
+                      retro_workdir / "logs-two")
+    assert code == 0, log[-3000:]
+    assert "stage 0: wte, wpe, blocks.0, wte\n" in log and "stage 1: blocks.1, ln_f, wte" in log, log[-2000:]
+    two = losses(retro_workdir / "runs" / "two")
+    assert sorted(two) == list(range(1, 9)) and two[8] < two[1] - 0.3, two
+    summary = json.loads((retro_workdir / "runs" / "two" / "summary.json").read_text())
+    assert summary["tied_embedding_max_diff"] == 0.0
+
+    code, log = train(1, [*common, *sets(f"workdir={retro_workdir}", "train.name=one", "train.pipeline_stages=1")],
+                      retro_workdir / "logs-one")
+    assert code == 0, log[-3000:]
+    one = losses(retro_workdir / "runs" / "one")
+    for step in one:
+        assert abs(one[step] - two[step]) < 1e-4, (step, one[step], two[step])
+
+    from training import load_model
+    from training.retro import Retro
+    model = load_model(retro_workdir / "runs" / "two" / "model")
+    assert isinstance(model, Retro)
+    nbrs = torch.full((1, 4, 2, 32), 7, dtype=torch.int64)
+    assert model(torch.zeros(1, 64, dtype=torch.int64), nbrs).shape == (1, 64, 50257)
+
+
+def test_retrofit_trains_only_cca_and_encoder_on_two_stages(retro_workdir):
+    """RETRO-fit from a GPT-2 checkpoint: the trunk is frozen, each stage owns a CCA layer."""
+    from training import load_model, save_model
+    from training.config import ModelConfig
+    from training.model import GPT2
+    from training.retro import is_retrieval_parameter
+
+    shape = dict(n_layer=4, n_head=2, n_embd=32, n_positions=64, chunk_len=16)
+    torch.manual_seed(0)
+    gpt2 = GPT2(ModelConfig(kind="gpt2", **shape))
+    save_model(gpt2, retro_workdir / "gpt2")
+    code, log = train(2, ["--config", "configs/tiny-retro.yaml",
+                          *sets(f"workdir={retro_workdir}", "train.name=fit", "model.n_layer=4",
+                                f"train.init_from={retro_workdir / 'gpt2'}", "model.freeze_trunk=true")],
+                      retro_workdir / "logs-fit")
+    assert code == 0, log[-3000:]
+    fitted = load_model(retro_workdir / "runs" / "fit" / "model").state_dict()
+    trunk = gpt2.state_dict()
+    retro_params = [name for name in fitted if is_retrieval_parameter(name)]
+    assert retro_params and all(name not in trunk for name in retro_params)
+    for name, value in trunk.items():
+        assert torch.equal(fitted[name], value), name  # bit for bit: the trunk never moved
+    curve = losses(retro_workdir / "runs" / "fit")
+    assert curve[8] < curve[1], curve  # CCA and encoder did learn

@@ -123,8 +123,8 @@ class TrainConfig:
     eval_batches: int = 8
     # Neighbours per chunk fed to RETRO during training (<= retrieval.k).
     neighbours: int = 2
-    # RETRO-fit: start from this GPT-2 checkpoint (ours or a Hugging Face directory) and
-    # train only the chunked cross-attention and the encoder.
+    # Start from this GPT-2 checkpoint (ours or a Hugging Face directory); with
+    # model.freeze_trunk it is a RETRO-fit: only chunked cross-attention and encoder train.
     init_from: str = ""
     seed: int = 1234
 

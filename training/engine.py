@@ -107,6 +107,9 @@ class Trainer:
         module, self.descs, self.parts = build_pipeline(cfg.model, self.t)
         if self.t.init_from:
             self._retrofit(module)
+        if cfg.model.freeze_trunk:
+            from training.retro import freeze_trunk
+            freeze_trunk(module)
         params = [p for p in module.parameters() if p.requires_grad]
         self.engine, *_ = deepspeed.initialize(model=module, model_parameters=params, config=deepspeed_config(self.t))
         grid = self.engine.grid
@@ -121,9 +124,11 @@ class Trainer:
         self.tokens_per_step = self.t.seq_len * self.t.micro_batch_size * self.t.micro_batches * self.dp_world
 
     def _retrofit(self, module) -> None:
-        """RETRO-fit: copy GPT-2 trunk weights into this stage's layers, then freeze the trunk."""
+        """Start from a GPT-2 checkpoint (ours or Hugging Face): copy its trunk into this stage's layers.
+
+        With model.freeze_trunk (RETRO-fit, paper §4.2) only CCA and encoder train afterwards.
+        """
         from training.model_io import load_pretrained
-        from training.retro import freeze_trunk
 
         source = load_pretrained(self.t.init_from).state_dict()
         for j, layer in enumerate(module.forward_funcs):
@@ -135,7 +140,6 @@ class Trainer:
                 if trunk_missing or unexpected:
                     raise TrainingError(f"train.init_from={self.t.init_from}: layer {name} does not match "
                                         f"(missing {trunk_missing}, unexpected {unexpected})")
-        freeze_trunk(module)
 
     # -- checkpoints --
     def _latest(self) -> dict | None:

@@ -24,7 +24,7 @@ if not torch.cuda.is_available():  # skip DeepSpeed's accelerator probing (and i
 import deepspeed  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec  # noqa: E402
-from deepspeed.runtime.utils import partition_balanced, partition_uniform  # noqa: E402
+from deepspeed.runtime.utils import partition_uniform  # noqa: E402
 
 from training.config import ModelConfig, TrainConfig  # noqa: E402
 from training.layers import LayerDesc, layer_list  # noqa: E402
@@ -62,12 +62,52 @@ def deepspeed_config(train: TrainConfig) -> dict:
     }
 
 
-def partition(descs: list[LayerDesc], stages: int, method: str) -> list[int]:
-    """Stage boundaries [0, ..., len(descs)]: stage s runs layers parts[s]:parts[s+1]."""
+def _min_max_partition(weights: list[float], stages: int, valid) -> list[int] | None:
+    """Boundaries minimising the costliest stage, over cuts where valid(start, stop) holds (DP)."""
+    n, inf = len(weights), float("inf")
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    # best[s][i]: the lowest max-stage cost of layers [0, i) in s stages; cut[s][i]: the last cut.
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, stages + 1):
+        for i in range(s, n + 1):
+            for j in range(s - 1, i):
+                if best[s - 1][j] < inf and valid(j, i):
+                    cost = max(best[s - 1][j], prefix[i] - prefix[j])
+                    if cost < best[s][i]:
+                        best[s][i], cut[s][i] = cost, j
+    if best[stages][n] == inf:
+        return None
+    parts = [n]
+    for s in range(stages, 0, -1):
+        parts.append(cut[s][parts[-1]])
+    return parts[::-1]
+
+
+def partition(descs: list[LayerDesc], stages: int, method: str, frozen_trunk: bool = False) -> list[int]:
+    """Stage boundaries [0, ..., len(descs)]: stage s runs layers parts[s]:parts[s+1].
+
+    Every stage must own a gradient: a stage of tied layers alone (e.g. the LM head, whose
+    vocabulary matmul dominates small models) has none of its own, which DeepSpeed's optimizers
+    reject; with a frozen trunk (RETRO-fit) only RETRO layers train, so each stage needs one
+    (and stage 0's outputs then require grad, as the pipe's backward needs).
+    """
     if stages > len(descs):
         raise ValueError(f"train.pipeline_stages={stages} exceeds the model's {len(descs)} pipeline layers")
+
+    def valid(start: int, stop: int) -> bool:
+        layers = descs[start:stop]
+        if frozen_trunk:
+            return any(d.cls.__name__ == "RetroBlock" for d in layers)
+        return not all(d.tie_key for d in layers)
+
     if method == "uniform":
-        parts = partition_uniform(len(descs), stages)
+        parts = [int(p) for p in partition_uniform(len(descs), stages)]
+        if not all(valid(a, b) for a, b in zip(parts, parts[1:])):
+            parts = None
     else:
         if method == "cost":
             weights = [d.cost for d in descs]
@@ -76,22 +116,12 @@ def partition(descs: list[LayerDesc], stages: int, method: str) -> list[int]:
             for d in descs:
                 weights.append(0 if d.tie_key in seen else sum(p.numel() for p in d.build().parameters()))
                 seen.add(d.tie_key) if d.tie_key else None
-        # partition_balanced wants integers; keep 3 significant digits of the smallest cost.
-        scale = 1000 / max(min(w for w in weights if w > 0), 1e-12)
-        parts = partition_balanced([max(int(w * scale), 1) for w in weights], stages)
-    parts = [int(p) for p in parts]
-    # A stage of tied layers alone (e.g. the LM head, whose vocabulary matmul dominates small
-    # models) owns no gradient of its own, which DeepSpeed's optimizers reject: give it a neighbour.
-    for s in range(stages):
-        while parts[s] < parts[s + 1] and all(d.tie_key for d in descs[parts[s]:parts[s + 1]]):
-            if s > 0 and parts[s] - 1 > parts[s - 1]:
-                parts[s] -= 1
-            elif s + 1 < stages and parts[s + 1] + 1 < parts[s + 2]:
-                parts[s + 1] += 1
-            else:
-                break
-    if any(a >= b for a, b in zip(parts, parts[1:])):
-        raise ValueError(f"train.pipeline_stages={stages}: partition {parts} leaves a stage empty")
+        parts = _min_max_partition(weights, stages, valid)
+    if parts is None:
+        need = "a RETRO (CCA) layer, as only those train with a frozen trunk" if frozen_trunk else \
+            "a layer of its own besides the tied embedding"
+        raise ValueError(f"train.pipeline_stages={stages}: no '{method}' partition of the model's "
+                         f"{len(descs)} pipeline layers gives every stage {need}")
     return parts
 
 
@@ -163,7 +193,7 @@ def layer_specs(descs: list[LayerDesc], seed: int) -> list:
 
 def build_pipeline(model: ModelConfig, train: TrainConfig) -> tuple[RetroPipeModule, list[LayerDesc], list[int]]:
     descs = layer_list(model)
-    parts = partition(descs, train.pipeline_stages, train.partition)
+    parts = partition(descs, train.pipeline_stages, train.partition, frozen_trunk=model.freeze_trunk)
     module = RetroPipeModule(layer_specs(descs, train.seed), parts=parts, num_stages=train.pipeline_stages,
                              loss_fn=loss_fn, activation_checkpoint_interval=train.activation_checkpoint_interval,
                              checkpointable_layers=["Block", "RetroBlock"])
