@@ -80,11 +80,14 @@ class NeighbourStore:
 
     def neighbour_tokens(self, split: str, chunk_ids: np.ndarray, k: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Neighbour + continuation tokens of chunk_ids (b, l): (tokens, mask), each (b, l, k, r)."""
-        nbr = self.neighbour_ids(split, chunk_ids, k)                       # (b, l, k)
-        cont = np.where(nbr >= 0, self._continuation[np.maximum(nbr, 0)], -1)  # (b, l, k)
-        halves = [self._chunk_tokens(ids) for ids in (nbr, cont)]          # each ((b, l, k, m), (b, l, k, m))
-        tokens = np.concatenate([halves[0][0], halves[1][0]], axis=-1)      # (b, l, k, r)
-        mask = np.concatenate([halves[0][1], halves[1][1]], axis=-1)        # (b, l, k, r)
+        return self.tokens_of(self.neighbour_ids(split, chunk_ids, k))
+
+    def tokens_of(self, nbr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Training chunks nbr (..., k), -1 = none, with their continuations: (tokens, mask), each (..., k, r)."""
+        cont = np.where(nbr >= 0, self._continuation[np.maximum(nbr, 0)], -1)  # (..., k)
+        halves = [self._chunk_tokens(ids) for ids in (nbr, cont)]          # each ((..., k, m), (..., k, m))
+        tokens = np.concatenate([halves[0][0], halves[1][0]], axis=-1)      # (..., k, r)
+        mask = np.concatenate([halves[0][1], halves[1][1]], axis=-1)        # (..., k, r)
         return tokens, mask
 
     def _chunk_tokens(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

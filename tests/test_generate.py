@@ -1,0 +1,266 @@
+"""Generation: sampling filters, seeded determinism, retrieval at chunk boundaries, end-of-text,
+and the CLI end to end on a real retrieval database (sentence-transformers + FAISS, 8-token chunks).
+"""
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+from data.chunking import split_of
+from data.config import DataConfig
+from data.prepare import prepare
+from data.store import ChunkStore
+from retrieval.config import RetrievalConfig
+from retrieval.pipeline import build_retrieval
+from training import save_model
+from training.config import ModelConfig
+from training.model import GPT2
+from training.retro import Retro
+from training.sampling import context_window, generate, sample_next
+
+ROOT = Path(__file__).resolve().parent.parent
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+M, K = 8, 2  # chunk_len, neighbours per chunk
+TOPICS = ["apples and pears grow in the orchard", "the ship sails across stormy ocean waves",
+          "compilers parse source code into syntax trees", "violins and cellos play in the orchestra"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Batch-one sampling from tiny models gains nothing from intra-op threads, and on a shared
+    2-core machine their spin-waiting turned a 0.1 s generation into ~9 s."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny(kind: str, **kw) -> ModelConfig:
+    return ModelConfig(**{**dict(kind=kind, vocab_size=50257, n_positions=64, n_layer=2, n_head=2, n_embd=32,
+                                 encoder_layers=1, encoder_embd=16, encoder_head=2, chunk_len=M), **kw})
+
+
+def model_of(cfg: ModelConfig, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return (Retro(cfg) if cfg.kind == "retro" else GPT2(cfg)).eval()
+
+
+def stub_neighbours(chunk_tokens: list[int]) -> np.ndarray:
+    """A deterministic (K, 2M) answer that identifies its query: the query's tokens, repeated."""
+    row = np.resize(np.asarray(chunk_tokens, dtype=np.int64), 2 * M)
+    return np.stack([row, (row + 1) % 50257])
+
+
+class Recorder:
+    """Records each forward's (tokens, neighbours) through a forward pre-hook (the real model runs)."""
+
+    def __init__(self, model: nn.Module):
+        self.calls = []
+        model.register_forward_pre_hook(lambda mod, args: self.calls.append([a.clone() for a in args]))
+
+
+# --- sampling filters -------------------------------------------------------------------------
+
+def test_sample_next_greedy_top_k_top_p():
+    logits = torch.log(torch.tensor([[0.05, 0.5, 0.15, 0.3]])).repeat(4000, 1)      # (4000, 4)
+    g = torch.Generator().manual_seed(0)
+    assert (sample_next(logits, temperature=0) == 1).all()
+    assert (sample_next(logits, top_k=1, generator=g) == 1).all()
+    assert set(sample_next(logits, top_k=2, generator=g).tolist()) == {1, 3}
+    # Sorted: 0.5, 0.3 reach 0.8; 0.15 and 0.05 are cut. A tiny top_p keeps the top token only.
+    assert set(sample_next(logits, top_p=0.8, generator=g).tolist()) == {1, 3}
+    assert set(sample_next(logits, top_p=0.81, generator=g).tolist()) == {1, 2, 3}
+    assert (sample_next(logits, top_p=1e-6, generator=g) == 1).all()
+    freq = np.bincount(sample_next(logits, generator=g).numpy(), minlength=4) / 4000
+    np.testing.assert_allclose(freq, [0.05, 0.5, 0.15, 0.3], atol=0.03)
+    with pytest.raises(ValueError, match="temperature"):
+        sample_next(logits, temperature=-1)
+
+
+def test_context_window_is_chunk_aligned_for_retro():
+    assert context_window(5, 32, M) == (0, 8)
+    assert context_window(32, 32, M) == (0, 32)
+    assert context_window(33, 32, M) == (8, 32)   # 33 real tokens → 40 padded, the last 4 chunks
+    assert context_window(33, 36, M) == (8, 32)   # n_positions rounded down to whole chunks
+    assert context_window(33, 32, None) == (1, 32)
+
+
+# --- determinism ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["gpt2", "retro"])
+def test_generation_is_deterministic_for_a_seed(kind):
+    model = model_of(tiny(kind))
+    retrieve = (lambda toks, u: stub_neighbours(toks)) if kind == "retro" else None
+    run = lambda seed: generate(model, [464, 3290, 318], 20, temperature=1.0, top_k=50, top_p=0.95,  # noqa: E731
+                                seed=seed, retrieve=retrieve).tokens
+    assert run(7) == run(7)
+    assert run(7) != run(8)
+
+
+# --- retrieval at chunk boundaries ------------------------------------------------------------
+
+def test_retrieves_at_chunk_boundaries_and_feeds_each_chunk_its_neighbours():
+    model = model_of(tiny("retro", n_positions=4 * M))   # a 4-chunk window: the context slides too
+    calls = []
+
+    def retrieve(chunk_tokens, u):
+        calls.append((u, list(chunk_tokens)))
+        return stub_neighbours(chunk_tokens)
+
+    recorder = Recorder(model)
+    prompt = [464, 3290, 318, 257, 1332]                   # 5 tokens: shorter than one chunk
+    out = generate(model, prompt, 40, seed=0, retrieve=retrieve)
+    assert out.stop == "max_tokens" and len(out.tokens) == 45
+    # The partial prompt chunk at the start, then each chunk as the sequence completes it (and
+    # a token follows): lengths 8, 16, 24, 32, 40. Never in between.
+    assert [(r.chunk, r.seq_len, r.query_len) for r in out.retrievals] == \
+        [(0, 5, 5), (0, 8, 8), (1, 16, 8), (2, 24, 8), (3, 32, 8), (4, 40, 8)]
+    assert calls[0] == (0, prompt)
+    for u, query in calls[1:]:
+        assert query == out.tokens[u * M:(u + 1) * M]
+
+    assert len(recorder.calls) == 40
+    for step, (tokens, neighbours) in enumerate(recorder.calls):
+        n = len(prompt) + step                               # sequence length at this forward
+        start = max(0, -(-n // M) * M - 4 * M)
+        assert start % M == 0 and tokens.shape[1] == -(-n // M) * M - start <= 4 * M
+        assert tokens[0, :n - start].tolist() == out.tokens[start:n]
+        assert neighbours.shape == (1, tokens.shape[1] // M, K, 2 * M)
+        for j in range(neighbours.shape[1]):
+            u = start // M + j
+            if (u + 1) * M <= n:                             # complete: its own neighbours
+                expected = stub_neighbours(out.tokens[u * M:(u + 1) * M])
+            elif u == 0 and step < M - len(prompt):          # the prompt's partial chunk
+                expected = stub_neighbours(prompt)
+            else:                                            # begun during generation: none yet
+                expected = np.full((K, 2 * M), -1)
+            assert neighbours[0, j].tolist() == expected.tolist(), (step, u)
+
+
+def test_neighbours_of_an_incomplete_chunk_change_nothing():
+    """Why retrieving the partial prompt chunk is safe: causally its neighbours reach no output."""
+    model = model_of(tiny("retro"))
+    prompt = [464, 3290, 318]
+
+    def retrieve(garbage: bool):
+        def fn(chunk_tokens, u):
+            if len(chunk_tokens) < M:
+                return np.random.default_rng(len(chunk_tokens)).integers(0, 50257, (K, 2 * M)) if garbage \
+                    else np.full((K, 2 * M), -1)
+            return stub_neighbours(chunk_tokens)
+        return fn
+
+    a = generate(model, prompt, 20, temperature=0, retrieve=retrieve(True))
+    b = generate(model, prompt, 20, temperature=0, retrieve=retrieve(False))
+    assert a.tokens == b.tokens
+
+
+def test_prompt_of_whole_chunks_is_retrieved_at_the_start():
+    model = model_of(tiny("retro"))
+    out = generate(model, list(range(100, 100 + 2 * M)), 3, seed=0, retrieve=lambda t, u: stub_neighbours(t))
+    assert [(r.chunk, r.seq_len, r.query_len) for r in out.retrievals] == [(0, 16, 8), (1, 16, 8)]
+
+
+# --- end-of-text ----------------------------------------------------------------------------
+
+class Counter(nn.Module):
+    """Plain torch: predicts position + 1 until position 5, then end-of-text (id 9), each by a wide margin."""
+
+    def __init__(self):
+        super().__init__()
+        self.cfg = ModelConfig(kind="gpt2", vocab_size=10, n_positions=16, n_layer=1, n_head=1, n_embd=2)
+        self.unused = nn.Parameter(torch.zeros(1))  # generate reads the device from the parameters
+
+    def forward(self, tokens):
+        b, n = tokens.shape
+        target = torch.clamp(torch.arange(n) + 1, max=9).where(torch.arange(n) < 5, torch.tensor(9))
+        return torch.nn.functional.one_hot(target, 10).float()[None].expand(b, n, 10) * 50.0
+
+
+def test_stops_at_end_of_text_or_max_tokens():
+    out = generate(Counter(), [0], 20, temperature=1.0, seed=0, eot_id=9)
+    assert out.tokens == [0, 1, 2, 3, 4, 5, 9] and out.stop == "eot" and out.new_tokens[-1] == 9
+    out = generate(Counter(), [0], 3, temperature=1.0, seed=0, eot_id=9)
+    assert out.tokens == [0, 1, 2, 3] and out.stop == "max_tokens"
+
+
+# --- the CLI on a real retrieval database ---------------------------------------------------------
+
+def doc_id(split: str, n: int) -> str:
+    """An id the data stage puts in `split` (the split is a hash of the id)."""
+    i = 0
+    while split_of(f"{split}-{n}-{i}", 1234, 0.2) != split:
+        i += 1
+    return f"{split}-{n}-{i}"
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A topic corpus with 8-token chunks, its retrieval database, and tiny saved models (run dirs)."""
+    root = tmp_path_factory.mktemp("gen")
+    docs = [("train", " ".join([TOPICS[i % len(TOPICS)]] * (1 + i % 3))) for i in range(10)] + \
+        [("validation", TOPICS[0])]
+    corpus = root / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"id": doc_id(s, n), "text": t}) + "\n" for n, (s, t) in enumerate(docs)))
+    prepare(DataConfig(corpus=str(corpus), chunk_len=M, validation_fraction=0.2), root / "data", progress=False)
+    build_retrieval(RetrievalConfig(k=K, embed_batch_size=16, recall_queries=5, train_sample=0),
+                    ChunkStore(root / "data"), root / "retrieval", chunks_per_seq=4)
+    for kind in ("retro", "gpt2"):
+        save_model(model_of(tiny(kind)), root / "runs" / kind / "model")
+    return root
+
+
+def cli(workdir: Path, *args: str, capsys) -> tuple[int, str, str]:
+    from launch.generate import main
+
+    code = main(["--config", str(ROOT / "configs" / "tiny.yaml"), "--set", f"workdir={workdir}",
+                 "--set", f"data.chunk_len={M}", "--set", "train.seq_len=32", "--device", "cpu", *args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_cli_retro_end_to_end_shows_neighbours(workdir, capsys):
+    args = ("--checkpoint", str(workdir / "runs" / "retro"), "--prompt", "the ship sails across",
+            "--max-new-tokens", "12", "--seed", "3", "--show-neighbours")
+    code, out, err = cli(workdir, *args, capsys=capsys)
+    assert code == 0, err
+    text, _, shown = out.partition("\n--- neighbours")
+    assert text.startswith("the ship sails across") and "12 new tokens" in err
+    # The partial prompt chunk, then chunk 0 once 8 tokens exist (prompt 4 + 12 new = 16 tokens).
+    assert "chunk 0 (tokens 0-7, partial (4 of 8 tokens)), retrieved at length 4: 'the ship sails across'" in shown
+    assert "chunk 0 (tokens 0-7), retrieved at length 8" in shown and "chunk 1" not in shown
+    first = shown.splitlines()[2]                               # the first neighbour of the partial prompt
+    assert first.startswith("  1. train chunk ") and "ship" in first
+    assert cli(workdir, *args, capsys=capsys)[1] == out        # same seed, same output
+
+
+def test_cli_gpt2_needs_no_database(workdir, tmp_path, capsys):
+    code, out, err = cli(tmp_path, "--checkpoint", str(workdir / "runs" / "gpt2" / "model"), "--prompt", "apples",
+                         "--max-new-tokens", "5", capsys=capsys)
+    assert code == 0 and out.startswith("apples"), err
+    code, out, err = cli(tmp_path, "--checkpoint", str(workdir / "runs" / "gpt2"), "--max-new-tokens", "3",
+                         capsys=capsys)                   # no prompt: starts from end-of-text
+    assert code == 0 and "3 new tokens" in err, err
+
+
+def test_cli_errors_are_exit_2_and_say_what_to_do(workdir, tmp_path, capsys):
+    missing = tmp_path / "no-such-run"
+    code, _, err = cli(workdir, "--checkpoint", str(missing), capsys=capsys)
+    assert code == 2 and str(missing) in err and "no model" in err
+    code, _, err = cli(tmp_path, "--checkpoint", str(workdir / "runs" / "retro"), capsys=capsys)
+    assert code == 2 and str(tmp_path / "retrieval") in err and "build_index.py" in err
+    code, _, err = cli(workdir, "--checkpoint", str(workdir / "runs" / "retro"), "--neighbours", "3", capsys=capsys)
+    assert code == 2 and "--neighbours 3" in err and "holds 2" in err
+    code, _, err = cli(workdir, "--checkpoint", str(workdir / "runs" / "gpt2"), "--top-p", "0", capsys=capsys)
+    assert code == 2 and "top_p" in err
+    # RETRO[OFF] needs no database.
+    code, out, err = cli(tmp_path, "--checkpoint", str(workdir / "runs" / "retro"), "--neighbours", "0",
+                         "--max-new-tokens", "3", capsys=capsys)
+    assert code == 0 and "0 retrievals" in err, err
