@@ -1,0 +1,193 @@
+"""Benchmark training throughput: a single-process PyTorch loop vs the DeepSpeed pipeline.
+
+    python bench/train_throughput.py [--models gpt2,retro] [--steps 5] [--precision fp32|bf16]
+                                     [--micro-batches 8] [--stages 2] [--preset tiny] [--repeat 1]
+                                     [--n-layer 12 --n-embd 384 --n-head 6]
+
+Same model, same seeds, same global batch (micro_batch_size × micro_batches sequences of seq_len
+tokens, random tokens; RETRO gets 2 random neighbours of 2 · chunk_len tokens per chunk):
+
+- single: `build_sequential_seeded` + AdamW with gradient accumulation, one process using
+  every core (bf16 via autocast);
+- pipeline: `build_pipeline` + `deepspeed.initialize`, `--stages` stages on as many processes
+  over gloo (one core each), exactly what launch/train.py runs, minus data loading.
+
+Prints tokens/s of both, their ratio (goal on a 2-core CPU: pipeline ≥ 0.85× single; the bubble
+bound is M / (M + P - 1) for M micro-batches and P stages) and MFU against the machine's matmul
+FLOP/s measured in this run. Variants alternate (`--repeat`) so machine noise hits both.
+
+At tiny width the 50,257-way output layer is ~3/4 of the FLOPs, so no 2-stage cut balances
+and the pipeline is bound near 0.7×; `--n-layer 12 --n-embd 384 --n-head 6` is a shape whose
+blocks and head weigh about the same, as in GPT-2 124M.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+
+def configs(args, kind: str):
+    from training.config import MODEL_PRESETS, ModelConfig, TrainConfig
+
+    shape = {**MODEL_PRESETS[args.preset], "n_positions": max(args.seq_len, 64)}
+    for key in ("n_layer", "n_embd", "n_head"):
+        if getattr(args, key):
+            shape[key] = getattr(args, key)
+    model = ModelConfig(kind=kind, chunk_len=args.chunk_len, **shape)
+    train = TrainConfig(seq_len=args.seq_len, micro_batch_size=args.micro_batch_size, micro_batches=args.micro_batches,
+                        pipeline_stages=args.stages, steps=args.steps + args.warmup, precision=args.precision,
+                        warmup_steps=1, eval_every=0)
+    return model, train
+
+
+def random_micro_batch(model, train, rng):
+    import torch
+
+    b, n, m = train.micro_batch_size, train.seq_len, model.chunk_len
+    tokens = torch.randint(0, model.vocab_size, (b, n), generator=rng)
+    labels = torch.randint(0, model.vocab_size, (b, n), generator=rng)
+    if model.kind == "retro":
+        return (tokens, torch.randint(0, model.vocab_size, (b, n // m, 2, 2 * m), generator=rng)), labels
+    return tokens, labels
+
+
+def run_single(args, kind: str) -> float:
+    """Tokens/s of the plain loop (best step after warm-up), all cores in one process."""
+    import torch
+
+    from training.model import loss_fn
+    from training.pipeline import build_sequential_seeded
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    model_cfg, train = configs(args, kind)
+    model = build_sequential_seeded(model_cfg, train.seed).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    rng = torch.Generator().manual_seed(0)
+    batches = [random_micro_batch(model_cfg, train, rng) for _ in range(train.micro_batches)]
+    times = []
+    for _ in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        for inputs, labels in batches:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
+                logits = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
+            (loss_fn(logits.float(), labels) / train.micro_batches).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+    tokens = train.micro_batch_size * train.micro_batches * train.seq_len
+    return tokens / min(times[args.warmup:])
+
+
+def worker(args) -> None:
+    """One pipeline rank (spawned by run_pipeline); rank 0 prints the result as JSON."""
+    import deepspeed
+    import torch
+
+    from training.pipeline import build_pipeline, deepspeed_config
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    model_cfg, train = configs(args, args.worker)
+    module, _, parts = build_pipeline(model_cfg, train)
+    engine, *_ = deepspeed.initialize(model=module, model_parameters=[p for p in module.parameters()],
+                                      config=deepspeed_config(train))
+    rng = torch.Generator().manual_seed(0)
+    batches = [random_micro_batch(model_cfg, train, rng) for _ in range(train.micro_batches)]
+
+    def forever():
+        while True:
+            yield from batches
+
+    it = forever()
+    times = []
+    for _ in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        engine.train_batch(data_iter=it)
+        times.append(time.perf_counter() - t0)
+    tokens = train.micro_batch_size * train.micro_batches * train.seq_len
+    if torch.distributed.get_rank() == 0:
+        print("RESULT " + json.dumps({"tokens_per_s": tokens / min(times[args.warmup:]), "parts": parts}), flush=True)
+
+
+def run_pipeline(args, kind: str) -> tuple[float, list[int]]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    n = args.stages
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(n),
+           "LOCAL_WORLD_SIZE": str(n), "DS_ACCELERATOR": "cpu",
+           "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n))}
+    argv = [sys.executable, __file__, *sys.argv[1:], "--worker", kind]
+    procs = [subprocess.Popen(argv, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(n)]
+    outs = [p.communicate()[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise SystemExit(f"pipeline worker failed:\n{outs[0][-3000:]}\n{outs[-1][-3000:]}")
+    result = json.loads(next(line for line in outs[0].splitlines() if line.startswith("RESULT "))[7:])
+    return result["tokens_per_s"], result["parts"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="gpt2,retro")
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--n-layer", type=int, default=0, help="override the preset's layers")
+    parser.add_argument("--n-embd", type=int, default=0, help="override the preset's width")
+    parser.add_argument("--n-head", type=int, default=0, help="override the preset's heads")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--chunk-len", type=int, default=64)
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--micro-batches", type=int, default=8)
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--steps", type=int, default=4, help="timed steps (best one counts)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--repeat", type=int, default=1, help="alternate single/pipeline this many times")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+
+    import torch
+
+    from training.engine import flops_per_token, matmul_flops_per_s
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+    peak = max(matmul_flops_per_s(dtype, "cpu", size=1024, seconds=1.0) for _ in range(3))
+    m, p = args.micro_batches, args.stages
+    shape = configs(args, "gpt2")[0]
+    print(f"CPU, {os.cpu_count()} cores; torch {torch.__version__}; preset {args.preset} ({shape.n_layer} layers, "
+          f"width {shape.n_embd}), seq_len {args.seq_len}, "
+          f"global batch {args.micro_batch_size}×{m} sequences, {args.precision}; "
+          f"matmul peak {peak / 1e9:.1f} GFLOP/s; bubble bound M/(M+P-1) = {m / (m + p - 1):.2f}")
+    rows = []
+    for kind in args.models.split(","):
+        single, pipe = [], []
+        for _ in range(args.repeat):
+            single.append(run_single(args, kind))
+            tps, parts = run_pipeline(args, kind)
+            pipe.append(tps)
+        fpt = flops_per_token(configs(args, kind)[0], args.seq_len)
+        s, q = max(single), max(pipe)
+        rows.append((kind, s, q, q / s, fpt * s / peak, fpt * q / peak, parts))
+    print(f"\n{'model':<6} {'single tok/s':>12} {'pipeline tok/s':>14} {'ratio':>6} {'MFU single':>10} "
+          f"{'MFU pipe':>9}  partition")
+    for kind, s, q, ratio, mfu_s, mfu_q, parts in rows:
+        print(f"{kind:<6} {s:>12,.0f} {q:>14,.0f} {ratio:>5.2f}x {mfu_s:>10.1%} {mfu_q:>9.1%}  {parts}")
+    print(f"goal: pipeline ≥ 0.85× single ({'met' if all(r[3] >= 0.85 for r in rows) else 'missed'})")
+
+
+if __name__ == "__main__":
+    main()
