@@ -61,8 +61,9 @@ class DataConfig:
     def __post_init__(self):
         require(bool(self.corpus), "data.corpus", "must name a file, directory or glob")
         require(self.chunk_len >= 2, "data.chunk_len", f"must be >= 2, got {self.chunk_len}")
-        require(0.0 <= self.validation_fraction < 1.0, "data.validation_fraction",
-                f"must be in [0, 1), got {self.validation_fraction}")
+        # 1.0 puts every document in validation: a held-out corpus (launch/evaluate.py --corpus).
+        require(0.0 <= self.validation_fraction <= 1.0, "data.validation_fraction",
+                f"must be in [0, 1], got {self.validation_fraction}")
         require(self.docs_per_shard >= 1, "data.docs_per_shard", "must be >= 1")
         require(self.num_workers >= 1, "data.num_workers", "must be >= 1")
         require(self.on_bad_record in ("error", "skip"), "data.on_bad_record",

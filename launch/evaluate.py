@@ -5,6 +5,8 @@
 
 A checkpoint is a run directory (its model/ is read) or a model directory. Writes report.md,
 report.json and PNG plots into --out (default <workdir>/reports) and prints a short table.
+`--corpus PATH` evaluates any held-out corpus instead (prepared with the training tokenizer,
+retrieving from the training database; default --out <workdir>/reports/heldout-<name>-<hash>).
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ def model_dir_of(path: Path) -> Path:
     return path / "model" if (path / "model" / "config.json").exists() else path
 
 
-def evaluate(cfg, checkpoints: list[Path], split: str, out: Path, log=print) -> dict:
+def evaluate(cfg, checkpoints: list[Path], split: str, out: Path, store=None, neighbours=None,
+             corpus: str | None = None) -> dict:
+    """Score every checkpoint on `split` of `store` (default: the training data's chunk store)."""
     import torch
     from tqdm import tqdm
 
@@ -35,13 +39,12 @@ def evaluate(cfg, checkpoints: list[Path], split: str, out: Path, log=print) -> 
     from training import load_model
     from training.evaluate import alpha_buckets, overlap_ratios, score_split, token_byte_lengths
 
-    store = ChunkStore(cfg.data_dir)
+    store = store or ChunkStore(cfg.data_dir)
     chunks = store.split(split)
     byte_lengths = token_byte_lengths(get_tokenizer(store.manifest["tokenizer"]))
     e = cfg.eval
     models = [(p, load_model(model_dir_of(p))) for p in checkpoints]
-    neighbours = None
-    if any(m.cfg.kind == "retro" for _, m in models):
+    if neighbours is None and any(m.cfg.kind == "retro" for _, m in models):
         neighbours = NeighbourStore(cfg.retrieval_dir, store)
     rows, per_chunk = [], {}
 
@@ -61,10 +64,10 @@ def evaluate(cfg, checkpoints: list[Path], split: str, out: Path, log=print) -> 
         else:
             run(f"{label} RETRO[ON] k={e.neighbours}", model, neighbours, e.neighbours)
             run(f"{label} RETRO[OFF]", model, None, 0)
-            if e.more_neighbours:
+            if e.more_neighbours > e.neighbours:
                 run(f"{label} RETRO[ON] k={e.more_neighbours}", model, neighbours, e.more_neighbours)
 
-    report = {"split": split, "window": e.window, "stride": e.stride, "rows": rows, "alpha": None}
+    report = {"split": split, "corpus": corpus or str(cfg.data.corpus), "window": e.window, "stride": e.stride, "rows": rows, "alpha": None}
     if neighbours is not None:
         # α(u): chunk u against the neighbours of chunk u - 1, the ones it is predicted with.
         ids = np.arange(len(next(iter(per_chunk.values())).nll))
@@ -77,7 +80,8 @@ def evaluate(cfg, checkpoints: list[Path], split: str, out: Path, log=print) -> 
                             **{name: s.bits_per_byte(sel) for name, s in per_chunk.items()}})
         report["alpha"] = {"buckets": buckets, "mean": float(alpha.mean())}
     out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(report, indent=1))
+    from data.prepare import atomic_write
+    atomic_write(out / "report.json", json.dumps(report, indent=1).encode())
     from launch.report import write_report
     write_report(report, [p for p, _ in models], out)
     return report
@@ -88,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", action="append", required=True, type=Path,
                         help="a run directory or a model directory (repeatable)")
     parser.add_argument("--split", default="validation", choices=["validation", "train"])
+    parser.add_argument("--corpus", default=None,
+                        help="evaluate on this held-out corpus (file, directory or glob) instead of a split; "
+                             "it is prepared with the training tokenizer and retrieves from the training database")
     parser.add_argument("--out", type=Path, default=None, help="report directory (default <workdir>/reports)")
     args = parser.parse_args(argv)
     try:
@@ -97,7 +104,19 @@ def main(argv: list[str] | None = None) -> int:
                 raise DataError(f"--checkpoint {path}: no model there (expected a run directory with model/, "
                                 f"or a directory with config.json and model.safetensors)")
         out = args.out or cfg.reports_dir
-        report = evaluate(cfg, args.checkpoint, args.split, out)
+        store = neighbours = None
+        if args.corpus:
+            import hashlib
+            tag = hashlib.blake2b(str(Path(args.corpus).resolve()).encode(), digest_size=4).hexdigest()
+            out = args.out or cfg.reports_dir / f"heldout-{Path(args.corpus).name.split('.')[0]}-{tag}"
+            from launch.heldout import describe, prepare_heldout
+            from training.model_io import read_config
+
+            retro = any(read_config(model_dir_of(p)).kind == "retro" for p in args.checkpoint)
+            store, neighbours = prepare_heldout(cfg, args.corpus, out, need_neighbours=retro)
+            print(f"held-out corpus {args.corpus}: {describe(out)}")
+            args.split = "validation"
+        report = evaluate(cfg, args.checkpoint, args.split, out, store, neighbours, args.corpus)
     except (ConfigError, DataError, ValueError) as e:
         print(f"evaluate: error: {e}", file=sys.stderr)
         return 2

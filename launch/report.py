@@ -71,7 +71,7 @@ def write_report(report: dict, run_dirs: list[Path], out: Path) -> None:
         plt.close(fig)
         plots.append(("Bits per byte by overlap α", "bpb_by_alpha.png"))
 
-    md = [f"# Evaluation report ({report['split']} split)", "",
+    md = [f"# Evaluation report ({report['split']} split of {report.get('corpus', 'the corpus')})", "",
           f"Sliding window {report['window']} tokens, stride {report['stride']}.", "",
           "| model | bits/byte | perplexity | tokens | bytes |", "|---|---|---|---|---|"]
     md += [f"| {r['model']} | {r['bits_per_byte']:.4f} | {r['perplexity']:.2f} | {r['tokens']:,} | {r['bytes']:,} |"
@@ -86,4 +86,5 @@ def write_report(report: dict, run_dirs: list[Path], out: Path) -> None:
         md += [f"| {b['bucket']} | {b['chunks']} | " + " | ".join(f"{b[r['model']]:.4f}" for r in rows) + " |"
                for b in alpha["buckets"]]
     md += [""] + [f"![{title}]({name})" for title, name in plots]
-    (out / "report.md").write_text("\n".join(md) + "\n")
+    from data.prepare import atomic_write
+    atomic_write(out / "report.md", ("\n".join(md) + "\n").encode())

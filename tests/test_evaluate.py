@@ -80,3 +80,66 @@ def test_longest_common_substring_and_alpha():
     mask[1, 0, 8:] = False  # ...but the continuation is masked: it must not count
     alpha = overlap_ratios(chunks, np.array([8, 8]), nbrs, mask, chunk_len=8)
     assert alpha.tolist() == [1.0, 0.0]
+
+
+# --- the command: every report file, on a split and on a held-out corpus ---------------------------
+
+@pytest.fixture(scope="module")
+def evaluated(tmp_path_factory):
+    """Untrained tiny GPT-2 and RETRO checkpoints over a real retrieval database (8-token chunks)."""
+    from retrieval.pipeline import build_retrieval
+    from tests.test_retrieval import make_store, retrieval_cfg, topic_docs
+    from training import save_model
+    from training.retro import Retro
+
+    root = tmp_path_factory.mktemp("evaluate")
+    store = make_store(root, topic_docs(n_train=14, n_val=4))
+    build_retrieval(retrieval_cfg(), store, root / "retrieval", chunks_per_seq=4)
+    shape = dict(n_layer=2, n_head=2, n_embd=16, n_positions=64, chunk_len=8)
+    torch.manual_seed(0)
+    for kind, model in (("gpt2", GPT2(ModelConfig(**shape))),
+                        ("retro", Retro(ModelConfig(kind="retro", encoder_layers=1, encoder_embd=8, encoder_head=2,
+                                                    **shape)))):
+        save_model(model, root / "runs" / kind / "model")
+        (root / "runs" / kind / "metrics.jsonl").write_text(
+            "".join(json.dumps({"step": s, "loss": 10.0 - s}) + "\n" for s in range(1, 4)))
+    sets = [f"workdir={root}", "data.chunk_len=8", "data.validation_fraction=0.2", "train.seq_len=32",
+            "model.n_positions=64", "eval.window=32", "eval.stride=16", "eval.more_neighbours=0"]
+    return root, [a for s in sets for a in ("--set", s)]
+
+
+def test_evaluate_writes_every_report_file(evaluated, capsys):
+    from launch.evaluate import main
+
+    root, sets = evaluated
+    assert main(["--config", "configs/tiny.yaml", *sets, "--checkpoint", str(root / "runs" / "gpt2"),
+                 "--checkpoint", str(root / "runs" / "retro")]) == 0
+    out = root / "reports"
+    report = json.loads((out / "report.json").read_text())
+    assert [r["model"] for r in report["rows"]] == ["gpt2 (baseline)", "retro RETRO[ON] k=2", "retro RETRO[OFF]"]
+    assert all(r["bits_per_byte"] > 0 and r["tokens"] > 0 for r in report["rows"])
+    assert report["rows"][1]["bits_per_byte"] != report["rows"][2]["bits_per_byte"]  # neighbours were used
+    assert report["alpha"]["buckets"][-1]["chunks"] == len(ChunkStore(root / "data").split("validation"))
+    for name in ("report.md", "loss_curves.png", "bpb.png", "bpb_by_alpha.png"):
+        assert (out / name).stat().st_size > 0, name
+    assert "retro RETRO[OFF]" in (out / "report.md").read_text() and "bits/byte" in capsys.readouterr().out
+
+
+def test_evaluate_a_held_out_corpus_against_the_training_database(evaluated, tmp_path):
+    from launch.evaluate import main
+
+    root, sets = evaluated
+    corpus = tmp_path / "other.jsonl"
+    corpus.write_text("".join(json.dumps({"id": f"o{i}", "text": t}) + "\n" for i, t in enumerate(
+        ["the ship sails across stormy ocean waves at night", "bakers knead dough for fresh bread and rolls"])))
+    out = tmp_path / "report"
+    assert main(["--config", "configs/tiny.yaml", *sets, "--corpus", str(corpus), "--out", str(out),
+                 "--checkpoint", str(root / "runs" / "retro")]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["corpus"] == str(corpus) and len(report["rows"]) == 2
+    ids = np.load(out / "neighbours.npy", allow_pickle=False)
+    train_chunks = len(ChunkStore(root / "data").split("train"))
+    assert ids.shape[1] == 2 and (ids >= 0).all() and (ids < train_chunks).all()  # from the training database
+    # A missing corpus is a clear error, exit 2.
+    assert main(["--config", "configs/tiny.yaml", *sets, "--corpus", str(tmp_path / "nope.jsonl"), "--out",
+                 str(tmp_path / "r2"), "--checkpoint", str(root / "runs" / "retro")]) == 2
