@@ -48,6 +48,7 @@ def evaluate(cfg, checkpoints: list[Path], split: str, out: Path, store=None, ne
         neighbours = NeighbourStore(cfg.retrieval_dir, store)
     rows, per_chunk = [], {}
 
+    @torch.no_grad()
     def run(name, model, nbrs, k):
         bar = lambda xs: tqdm(xs, desc=f"eval {name}", leave=False, dynamic_ncols=True)  # noqa: E731
         scores = score_split(model, chunks, byte_lengths, e.window, e.stride, nbrs, k, e.batch_size, progress=bar,
@@ -56,7 +57,6 @@ def evaluate(cfg, checkpoints: list[Path], split: str, out: Path, store=None, ne
         rows.append({"model": name, "bits_per_byte": scores.bits_per_byte(), "perplexity": scores.perplexity(),
                      "tokens": int(scores.tokens.sum()), "bytes": int(scores.bytes.sum())})
 
-    torch.set_grad_enabled(False)
     for path, model in models:
         label = path.name if path.name != "model" else path.parent.name
         if model.cfg.kind == "gpt2":

@@ -10,6 +10,7 @@ sees (a shared filesystem on a multi-node cluster).
 
 from __future__ import annotations
 
+import time
 from typing import Iterator
 
 import numpy as np
@@ -87,6 +88,7 @@ class RayEmbedRunner:
                     raise
                 self.log(f"embed: a Ray worker died ({type(e).__name__}); retrying {len(pending)} "
                          f"unfinished jobs (attempt {attempt + 2} of {self.max_retries + 1})")
+                time.sleep(2.0 * (attempt + 1))  # let Ray reap the dead worker and free its resources
 
     def _run(self, spec: EmbedSpec, jobs: list[EmbedJob]) -> Iterator[tuple[EmbedJob, np.ndarray]]:
         if not jobs:
@@ -97,6 +99,8 @@ class RayEmbedRunner:
         ctx = DataContext.get_current()
         ctx.enable_progress_bars = self.progress
         ctx.print_on_execution_start = False
+        # A replacement actor that dies while loading the model is replaced again, a few times.
+        ctx.max_consecutive_actor_init_deaths = max(ctx.max_consecutive_actor_init_deaths, 2)
         device, resources, threads = self.resources(ray)
         by_key = {(SPLITS.index(j.split), j.start): j for j in jobs}
         rows = [{"split": SPLITS.index(j.split), "shard": j.shard, "start": j.start, "stop": j.stop} for j in jobs]

@@ -1,5 +1,6 @@
 """Retrieval on a real Ray: a Ray worker killed mid-stage, and `ray job submit` to a local head."""
 
+import json
 import os
 import shutil
 import signal
@@ -15,7 +16,6 @@ import pytest
 
 from data.neighbours import NeighbourStore
 from data.store import ChunkStore
-from retrieval.embed import embed_store
 from tests.test_retrieval import CHUNK_LEN, PY, ROOT, SEQ_CHUNKS, built, neighbours_of  # noqa: F401 (fixture)
 
 
@@ -79,30 +79,46 @@ def ray_head():
             os.environ["RAY_AUTH_MODE"] = saved
 
 
+# The driver of the killed-actor run: a fresh process, as a user's driver is (a pytest process
+# that already hosted another Ray cluster keeps Ray state that makes new actors die at init).
+KILLED_DRIVER = """
+import json, os, signal, sys
+from pathlib import Path
+from data.store import ChunkStore
+from launch.ray_utils import RayExecutor
+from retrieval.embed import embed_store
+from retrieval.ray_embed import EmbedChunks, RayEmbedRunner
+
+address, data_dir, out, marker = sys.argv[1:5]
+
+class KillsItselfOnce(EmbedChunks):
+    def __call__(self, batch):
+        if not Path(marker).exists():
+            Path(marker).touch()
+            os.kill(os.getpid(), signal.SIGKILL)  # a worker dying mid-stage, not an exception
+        return super().__call__(batch)
+
+executor = RayExecutor(address=address)
+try:
+    manifest = embed_store(ChunkStore(data_dir), Path(out), "", 8, RayEmbedRunner(executor, actors=1, udf=KillsItselfOnce))
+finally:
+    executor.close()
+print("MANIFEST " + json.dumps(manifest["shards"]))
+"""
+
+
 @pytest.mark.slow
 def test_killed_ray_actor_is_retried_without_corrupting_output(built, tmp_path, ray_head):
-    from launch.ray_utils import RayExecutor
-    from retrieval.ray_embed import EmbedChunks, RayEmbedRunner
-
     ref_root, store, ref = built
     marker = tmp_path / "killed-once"
-
-    class KillsItselfOnce(EmbedChunks):
-        def __call__(self, batch):
-            if not marker.exists():
-                marker.touch()
-                os.kill(os.getpid(), signal.SIGKILL)  # a worker dying mid-stage, not an exception
-            return super().__call__(batch)
-
-    executor = RayExecutor(address=ray_head[0])
-    try:
-        runner = RayEmbedRunner(executor, actors=1, udf=KillsItselfOnce)
-        manifest = embed_store(store, tmp_path / "embeddings", "", 8, runner)
-    finally:
-        executor.close()
-    assert marker.exists()
+    proc = subprocess.run([PY, "-c", KILLED_DRIVER, ray_head[0], str(ref_root / "data"), str(tmp_path / "embeddings"),
+                           str(marker)], cwd=ROOT, env={**ray_head[2], "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert marker.exists()  # the worker was killed; Ray Data or the runner's retry redid its jobs
+    shards = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("MANIFEST "))[9:])
     for split in ("train", "validation"):
-        for name in manifest["shards"][split]:
+        for name in shards[split]:
             ours = np.load(tmp_path / "embeddings" / split / name, allow_pickle=False)
             theirs = np.load(ref_root / "retrieval" / "embeddings" / split / name, allow_pickle=False)
             assert ours.shape == theirs.shape
@@ -119,7 +135,7 @@ def test_ray_job_submit_to_a_local_head(built, tmp_path, ray_head):
                           "--set", f"workdir={tmp_path}", "--set", f"data.chunk_len={CHUNK_LEN}",
                           "--set", "train.seq_len=32", "--set", "retrieval.embed_batch_size=8",
                           "--set", "retrieval.recall_queries=10", "--set", "retrieval.train_sample=0",
-                          "--set", "retrieval.k=2"],
+                          "--set", "retrieval.k=2", "--set", "eval.more_neighbours=0"],
                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
     assert "retrieval database in" in job.stdout and "recall@2" in job.stdout
