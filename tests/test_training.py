@@ -193,3 +193,18 @@ def test_retrofit_trains_only_cca_and_encoder_on_two_stages(retro_workdir):
         assert torch.equal(fitted[name], value), name  # bit for bit: the trunk never moved
     curve = losses(retro_workdir / "runs" / "fit")
     assert curve[8] < curve[1], curve  # CCA and encoder did learn
+
+
+def test_a_run_directory_refuses_another_run_but_not_other_stage_settings(tmp_path):
+    from training.engine import TrainingError, claim_run_dir
+
+    def cfg(*overrides):
+        return load_config(ROOT / "configs" / "tiny-retro.yaml", [f"workdir={tmp_path}", *TINY, *overrides])
+
+    claim_run_dir(cfg(), tmp_path / "run", write=True)
+    claim_run_dir(cfg("eval.stride=16", "retrieval.embed_actors=1", "data.num_workers=1"), tmp_path / "run", write=False)
+    with pytest.raises(TrainingError, match=r"train\.lr 0\.02 → 0\.01"):
+        claim_run_dir(cfg("train.lr=1e-2"), tmp_path / "run", write=False)
+    with pytest.raises(TrainingError, match=r"retrieval\.k"):
+        claim_run_dir(cfg("retrieval.k=1", "train.neighbours=1", "eval.neighbours=1", "eval.more_neighbours=0"),
+                      tmp_path / "run", write=False)

@@ -251,13 +251,33 @@ def _truncate_metrics(path: Path, step: int) -> None:
     atomic_write_text(path, "".join(line + "\n" for line in keep))
 
 
+# Settings that change how, not what, a stage computes: a run is the same run without them.
+NOT_THE_RUN = {"data": {"num_workers"}, "retrieval": {"embed_batch_size", "embed_actors", "embed_device",
+                                                     "recall_queries"}}
+
+
+def run_identity(cfg_dict: dict) -> dict:
+    """The parts of a resolved config that decide a training run's trajectory."""
+    sections = ["data", "model", "train"] + (["retrieval"] if cfg_dict["model"]["kind"] == "retro" else [])
+    return {f"{section}.{key}": value for section in sections for key, value in cfg_dict[section].items()
+            if key not in NOT_THE_RUN.get(section, ())}
+
+
 def claim_run_dir(cfg, run_dir: Path, write: bool) -> None:
-    """Claim run_dir for this config (write on one rank only); another config is refused."""
+    """Claim run_dir for this config (write on one rank only); a run of another config is refused.
+
+    Only what decides the run counts (`run_identity`): evaluation settings, worker counts or
+    batch sizes of other stages may change between a run and its resume.
+    """
     mine = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
     path = run_dir / "config.yaml"
-    if path.exists() and yaml.safe_load(path.read_text()) != yaml.safe_load(mine):
-        raise TrainingError(f"{run_dir} holds a run with a different config ({path}); "
-                            f"set train.name or workdir to start another run")
+    if path.exists():
+        theirs, ours = run_identity(yaml.safe_load(path.read_text())), run_identity(yaml.safe_load(mine))
+        changed = sorted(k for k in theirs.keys() | ours.keys() if theirs.get(k) != ours.get(k))
+        if changed:
+            raise TrainingError(f"{run_dir} holds a run with a different config ({path}: "
+                                + ", ".join(f"{k} {theirs.get(k)!r} → {ours.get(k)!r}" for k in changed[:5])
+                                + "); set train.name or workdir to start another run")
     if write:
         run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, mine)

@@ -1,0 +1,114 @@
+"""Benchmark the neighbour stage: `query_neighbours` over every chunk of a prepared store.
+
+    python bench/neighbours.py [--workdir /tmp/rp1] [--factory Flat --factory IVF64,PQ32] [--rounds 2]
+
+Runs the product's neighbour query (FAISS search of `retrieval.candidates` ids per chunk,
+optional re-rank on the stored embeddings, sequence/document exclusion, -1 padding, shards
+written) over the whole training and validation splits, and prints chunks/s per index and
+re-rank setting, the variants interleaved over `--rounds` rounds on the shared machine.
+
+--workdir names a finished build (<workdir>/data and <workdir>/retrieval/embeddings, from
+launch/prepare_data.py and launch/build_index.py); it is only read. Without it the shipped
+corpus is prepared and embedded (Ray, one single-thread actor per core) into a temp dir first.
+The indexes are built into a temp dir from the embeddings either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+from data.config import DataConfig  # noqa: E402
+from data.prepare import prepare  # noqa: E402
+from data.store import ChunkStore  # noqa: E402
+from retrieval.config import RetrievalConfig  # noqa: E402
+from retrieval.embed import Embeddings, embed_store  # noqa: E402
+from retrieval.files import read_json  # noqa: E402
+from retrieval.index import build_index, load_index  # noqa: E402
+from retrieval.neighbours import query_neighbours  # noqa: E402
+
+
+def open_build(workdir: Path) -> tuple[ChunkStore, Embeddings]:
+    store = ChunkStore(workdir / "data")
+    emb_dir = workdir / "retrieval" / "embeddings"
+    manifest = read_json(emb_dir / "manifest.json")
+    if manifest is None or manifest["chunk_store_fingerprint"] != store.fingerprint:
+        raise SystemExit(f"{emb_dir}: no finished embeddings of {workdir / 'data'}; run launch/build_index.py")
+    return store, Embeddings(emb_dir, manifest)
+
+
+def fresh_build(tmp: Path) -> tuple[ChunkStore, Embeddings]:
+    """Prepare and embed the shipped corpus (a few minutes on 2 cores)."""
+    from launch.ray_utils import RayExecutor
+    from retrieval.ray_embed import RayEmbedRunner
+
+    prepare(DataConfig(), tmp / "data", progress=False)
+    store = ChunkStore(tmp / "data")
+    executor = RayExecutor()
+    try:
+        runner = RayEmbedRunner(executor, actors=os.cpu_count() or 1)
+        manifest = embed_store(store, tmp / "embeddings", "", 64, runner)
+    finally:
+        executor.close()
+    return store, Embeddings(tmp / "embeddings", manifest)
+
+
+def main(argv=None) -> int:
+    defaults = RetrievalConfig()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workdir", default=None, help="a finished build to read (default: build one)")
+    parser.add_argument("--factory", action="append", help="index to query (repeatable; default Flat and IVF64,PQ32)")
+    parser.add_argument("--k", type=int, default=defaults.k)
+    parser.add_argument("--candidates", type=int, default=defaults.candidates)
+    parser.add_argument("--nprobe", type=int, default=defaults.nprobe)
+    parser.add_argument("--chunks-per-seq", type=int, default=4, help="train.seq_len / data.chunk_len")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    factories = args.factory or ["Flat", "IVF64,PQ32"]
+    print(f"CPU, {os.cpu_count()} cores; load average {os.getloadavg()[0]:.2f}")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        store, emb = open_build(Path(args.workdir)) if args.workdir else fresh_build(tmp)
+        total = emb.count("train") + emb.count("validation")
+        print(f"store {store.root}: {emb.count('train'):,} training + {emb.count('validation'):,} validation "
+              f"chunks, {emb.dim}-d embeddings; k {args.k} of {args.candidates} candidates, "
+              f"sequences of {args.chunks_per_seq} chunks")
+        variants, indexes = [], {}
+        for i, factory in enumerate(factories):
+            manifest = build_index(emb, tmp / f"index-{i}", factory, defaults.train_sample, defaults.seed)
+            indexes[factory] = load_index(tmp / f"index-{i}", manifest, emb.dim, args.nprobe, defaults.ef_search)
+            variants += [(factory, False)] + ([(factory, True)] if factory != "Flat" else [])
+        rates, results = {}, {}
+        for r in range(args.rounds):
+            for factory, rerank in variants:  # interleaved: the shared machine's speed drifts
+                out = tmp / f"neighbours-{len(rates.get((factory, rerank), []))}-{factory}-{rerank}"
+                inputs = {"bench": [factory, rerank, r], "embeddings_fingerprint": emb.fingerprint,
+                          "index_fingerprint": factory}  # the keys its manifest copies
+                t0 = time.perf_counter()
+                results[(factory, rerank)] = query_neighbours(indexes[factory], emb, store, out, inputs, args.k,
+                                                              args.candidates, args.chunks_per_seq, rerank)
+                rates.setdefault((factory, rerank), []).append(total / (time.perf_counter() - t0))
+
+    print(f"\nload average at the end {os.getloadavg()[0]:.2f}; best of {args.rounds} rounds over {total:,} chunks")
+    print(f"{'index':<14} {'nprobe':>6} {'rerank':>6} {'chunks/s':>10} {'missing ids':>11}")
+    for factory, rerank in variants:
+        splits = results[(factory, rerank)]["splits"]
+        missing = sum(s["missing"] for s in splits.values())
+        print(f"{factory:<14} {args.nprobe if factory != 'Flat' else '-':>6} {'yes' if rerank else 'no':>6} "
+              f"{max(rates[(factory, rerank)]):>10,.0f} {missing:>11,}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
