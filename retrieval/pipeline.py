@@ -10,6 +10,7 @@ pipeline runs in-process in tests and on Ray from launch/build_index.py.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from data.store import ChunkStore
@@ -27,7 +28,19 @@ def check_inputs(cfg: RetrievalConfig, store: ChunkStore, dim: int | None = None
         raise RetrievalError(f"config key 'retrieval.k': {cfg.k} neighbours per chunk, but the database (the "
                              f"training split of {store.root}) holds only {train_chunks} chunks")
     if dim is not None:
-        make_index(cfg.index, dim)
+        import faiss
+
+        index = make_index(cfg.index, dim)
+        # Training needs at least one vector per IVF list and per PQ centroid: say so now, not
+        # after hours of embedding.
+        sample = train_chunks if cfg.train_sample == 0 else min(cfg.train_sample, train_chunks)
+        ivf = faiss.try_extract_index_ivf(index)
+        pq = re.search(r"PQ(\d+)(?:x(\d+))?", cfg.index)
+        needs = max(ivf.nlist if ivf is not None else 0, 2 ** int(pq.group(2) or 8) if pq else 0)
+        if not index.is_trained and sample < needs:
+            raise RetrievalError(f"config key 'retrieval.index': {cfg.index!r} needs at least {needs} training "
+                                 f"vectors, but retrieval.train_sample and the database ({train_chunks} training "
+                                 f"chunks) give {sample}; use fewer lists, or 'Flat' for a small database")
 
 
 def _expected_dim(cfg: RetrievalConfig, emb_dir: Path) -> int:

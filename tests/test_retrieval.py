@@ -367,3 +367,12 @@ def test_untrainable_index_names_the_key(tmp_path):
     emb = fake_embeddings(tmp_path / "emb", [50])
     with pytest.raises(RetrievalError, match="retrieval.index.*IVF64"):
         build_index(emb, tmp_path / "index", "IVF64,Flat", train_sample=0, seed=0)
+
+
+def test_an_index_the_database_cannot_train_is_refused_before_embedding(built):
+    from retrieval.pipeline import check_inputs
+
+    _, store, _ = built
+    with pytest.raises(RetrievalError, match="retrieval.index.*IVF1024,Flat.*needs at least 1024"):
+        check_inputs(retrieval_cfg(index="IVF1024,Flat"), store, dim=384)
+    check_inputs(retrieval_cfg(index="IVF4,Flat"), store, dim=384)  # enough chunks for 4 lists
