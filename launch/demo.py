@@ -34,7 +34,7 @@ def stages(config: str, overrides: list[str], nproc: int, workdir: Path) -> list
 
     def train(kind: str) -> list[str]:
         return [deepspeed, "--num_gpus", str(nproc), "launch/train.py", "--config", config, *sets,
-                "--set", f"model.kind={kind}"]
+                "--set", f"model.kind={kind}", "--set", f"train.name={kind}"]
 
     def generate(kind: str) -> list[str]:
         return [py, "launch/generate.py", "--config", config, *sets, "--checkpoint", str(runs / kind),
@@ -69,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"demo: error: {e}", file=sys.stderr)
         return 2
+    if args.nproc % cfg.train.pipeline_stages:
+        print(f"demo: error: --nproc {args.nproc} is not a multiple of train.pipeline_stages "
+              f"({cfg.train.pipeline_stages})", file=sys.stderr)
+        return 2
     workdir = Path(cfg.workdir).resolve()
     overrides = [*args.overrides, f"workdir={workdir}"]  # stages agree on one absolute workdir
     config = str(Path(args.config).resolve())
@@ -83,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n=== {name}: {' '.join(Path(c).name if i == 0 else c for i, c in enumerate(cmd))}", flush=True)
         start = time.perf_counter()
         if subprocess.run(cmd, cwd=ROOT, env=env).returncode != 0:
-            print(f"demo: stage '{name}' failed (its output is above; rerun `make demo` to resume)", file=sys.stderr)
+            print(f"demo: stage '{name}' failed (its output is above); rerun the same command to resume: "
+                  f"{' '.join(sys.argv)}", file=sys.stderr)
             return 1
         print(f"=== {name}: done in {time.perf_counter() - start:.0f}s", flush=True)
     print(f"\ndemo: done in {(time.perf_counter() - began) / 60:.1f} min; everything is under {workdir}")

@@ -39,7 +39,7 @@ def evaluate(cfg, checkpoints: list[Path], split: str, out: Path, store=None, ne
     from training import load_model
     from training.evaluate import alpha_buckets, overlap_ratios, score_split, token_byte_lengths
 
-    store = store or ChunkStore(cfg.data_dir)
+    store = store if store is not None else ChunkStore(cfg.data_dir)
     chunks = store.split(split)
     byte_lengths = token_byte_lengths(get_tokenizer(store.manifest["tokenizer"]))
     e = cfg.eval
@@ -91,12 +91,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = add_config_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     parser.add_argument("--checkpoint", action="append", required=True, type=Path,
                         help="a run directory or a model directory (repeatable)")
-    parser.add_argument("--split", default="validation", choices=["validation", "train"])
+    parser.add_argument("--split", default=None, choices=["validation", "train"], help="default: validation")
     parser.add_argument("--corpus", default=None,
                         help="evaluate on this held-out corpus (file, directory or glob) instead of a split; "
                              "it is prepared with the training tokenizer and retrieves from the training database")
     parser.add_argument("--out", type=Path, default=None, help="report directory (default <workdir>/reports)")
     args = parser.parse_args(argv)
+    if args.corpus and args.split:
+        parser.error("--corpus evaluates a whole held-out corpus; --split applies to the training data only")
+    args.split = args.split or "validation"
     try:
         cfg = config_from_args(args)
         for path in args.checkpoint:
@@ -108,14 +111,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.corpus:
             import hashlib
             tag = hashlib.blake2b(str(Path(args.corpus).resolve()).encode(), digest_size=4).hexdigest()
-            out = args.out or cfg.reports_dir / f"heldout-{Path(args.corpus).name.split('.')[0]}-{tag}"
+            import re
+            name = re.sub(r"[^\w-]+", "_", Path(args.corpus).name.split(".")[0]).strip("_") or "corpus"
+            out = args.out or cfg.reports_dir / f"heldout-{name}-{tag}"
             from launch.heldout import describe, prepare_heldout
             from training.model_io import read_config
 
             retro = any(read_config(model_dir_of(p)).kind == "retro" for p in args.checkpoint)
             store, neighbours = prepare_heldout(cfg, args.corpus, out, need_neighbours=retro)
             print(f"held-out corpus {args.corpus}: {describe(out)}")
-            args.split = "validation"
         report = evaluate(cfg, args.checkpoint, args.split, out, store, neighbours, args.corpus)
     except (ConfigError, DataError, ValueError) as e:
         print(f"evaluate: error: {e}", file=sys.stderr)

@@ -8,7 +8,9 @@ The corpus is prepared like training data (data.prepare, every document held out
 embedded with the database's embedder and searched in the training index (retrieval.query),
 so RETRO is evaluated on text it never saw while retrieving from what it trained with. Nothing
 is excluded: if the corpus overlaps the training data, the leakage analysis (α) shows it.
-Both steps are cached under out_dir and redone only when an input changes.
+Both steps are cached under out_dir: the neighbours are redone when the database or search
+settings change; the prepared corpus is reused as it is (a corpus whose files changed under the
+same path needs another --out).
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def prepare_heldout(cfg, corpus: str, out_dir: Path, need_neighbours: bool = Tru
     retriever = Retriever(cfg.retrieval_dir, train_store, cfg.retrieval)
     inputs = {"heldout_fingerprint": store.fingerprint, "database": read_json(cfg.retrieval_dir / "index" / "manifest.json")["fingerprint"],
               "k": retriever.k, "candidates": cfg.retrieval.candidates, "nprobe": cfg.retrieval.nprobe,
-              "ef_search": cfg.retrieval.ef_search}
+              "ef_search": cfg.retrieval.ef_search, "rerank": retriever.rerank}
     path, manifest = out_dir / "neighbours.npy", out_dir / "neighbours.json"
     if path.exists() and read_json(manifest) == inputs:
         ids = np.load(path, allow_pickle=False)

@@ -38,10 +38,15 @@ def preflight(cfg, world_size: int):
     if world_size % t.pipeline_stages:
         raise ConfigError("train.pipeline_stages", f"world size {world_size} is not divisible by "
                           f"{t.pipeline_stages} pipeline stages")
-    n_layers = len(layer_list(cfg.model))
-    if t.pipeline_stages > n_layers:
+    descs = layer_list(cfg.model)
+    if t.pipeline_stages > len(descs):
         raise ConfigError("train.pipeline_stages", f"{t.pipeline_stages} stages for a model of "
-                          f"{n_layers} pipeline layers")
+                          f"{len(descs)} pipeline layers")
+    from training.pipeline import partition
+    try:  # a cut where every stage trains (frozen trunk: a CCA layer per stage) must exist
+        partition(descs, t.pipeline_stages, t.partition, frozen_trunk=cfg.model.freeze_trunk)
+    except ValueError as e:
+        raise ConfigError("train.pipeline_stages", str(e).split(": ", 1)[-1]) from None
     cuda = torch.cuda.is_available()
     if t.precision == "fp16" and not cuda:
         raise ConfigError("train.precision", "fp16 needs a GPU; this machine has none (use bf16 or fp32)")

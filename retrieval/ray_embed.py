@@ -71,6 +71,12 @@ class RayEmbedRunner:
         threads = max(1, int(total.get("CPU", 1)) // self.actors)
         return "cpu", {"num_cpus": threads}, threads
 
+    def pool_size(self, ray, device: str) -> int:
+        """Actors to start: one GPU each caps them at the cluster's GPUs (more would wait forever)."""
+        if device == "cuda":
+            return max(1, min(self.actors, int(ray.cluster_resources().get("GPU", 1))))
+        return self.actors
+
     def __call__(self, spec: EmbedSpec, jobs: list[EmbedJob]) -> Iterator[tuple[EmbedJob, np.ndarray]]:
         from ray.exceptions import NodeDiedError, RayActorError, WorkerCrashedError
 
@@ -108,7 +114,7 @@ class RayEmbedRunner:
         # A dead actor fails this execution; __call__ retries what was not delivered
         # (tests/test_retrieval.py kills an actor to check).
         ds = ds.map_batches(self.udf, fn_constructor_kwargs={"spec": spec, "device": device, "threads": threads},
-                            batch_size=1, compute=ray.data.ActorPoolStrategy(size=self.actors),
+                            batch_size=1, compute=ray.data.ActorPoolStrategy(size=self.pool_size(ray, device)),
                             batch_format="numpy", **resources)
         # Output rows are per chunk; regroup them into whole jobs before handing them on.
         waiting: dict[tuple[int, int], list] = {}

@@ -118,6 +118,8 @@ def test_misconfigurations_are_refused_before_any_work(workdir):
                                                                    "data.chunk_len=32"]), 2)
     with pytest.raises(DataError, match="neighbours"):
         preflight(cfg(config="tiny-retro.yaml"), 2)
+    with pytest.raises(ConfigError, match="every stage a RETRO"):  # 2 layers hold a single CCA layer
+        preflight(cfg("model.freeze_trunk=true", f"train.init_from={workdir}", config="tiny-retro.yaml"), 2)
     # The command line: message on stderr, exit code 2, no process group started.
     proc = subprocess.run([sys.executable, "launch/train.py", "--config", "configs/tiny-gpt2.yaml",
                            *sets(f"workdir={workdir}", "train.pipeline_stages=3")], cwd=ROOT,

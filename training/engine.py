@@ -253,13 +253,16 @@ def _truncate_metrics(path: Path, step: int) -> None:
 
 # Settings that change how, not what, a stage computes: a run is the same run without them.
 NOT_THE_RUN = {"data": {"num_workers"}, "retrieval": {"embed_batch_size", "embed_actors", "embed_device",
-                                                     "recall_queries"}}
+                                                     "recall_queries"},
+               "train": {"eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints"}}
 
 
 def run_identity(cfg_dict: dict) -> dict:
     """The parts of a resolved config that decide a training run's trajectory."""
-    sections = ["data", "model", "train"] + (["retrieval"] if cfg_dict["model"]["kind"] == "retro" else [])
-    return {f"{section}.{key}": value for section in sections for key, value in cfg_dict[section].items()
+    cfg_dict = cfg_dict if isinstance(cfg_dict, dict) else {}
+    retro = (cfg_dict.get("model") or {}).get("kind") == "retro"
+    sections = ["data", "model", "train"] + (["retrieval"] if retro else [])
+    return {f"{section}.{key}": value for section in sections for key, value in (cfg_dict.get(section) or {}).items()
             if key not in NOT_THE_RUN.get(section, ())}
 
 

@@ -107,7 +107,8 @@ def partition(descs: list[LayerDesc], stages: int, method: str, frozen_trunk: bo
     if method == "uniform":
         parts = [int(p) for p in partition_uniform(len(descs), stages)]
         if not all(valid(a, b) for a, b in zip(parts, parts[1:])):
-            parts = None
+            raise ValueError(f"train.partition=uniform: the uniform cut {parts} leaves a stage without a layer "
+                             f"that trains; use train.partition=cost, which searches for a valid cut")
     else:
         if method == "cost":
             weights = [d.cost for d in descs]
