@@ -51,16 +51,9 @@ def sync(device: str) -> None:
 
 def matmul_flops(device: str, size: int, reps: int) -> float:
     """Best fp32 FLOP/s of a size×size matmul on this device: the denominator of the MFU."""
-    a, b = (torch.randn(size, size, device=device) for _ in range(2))
-    a @ b
-    best = float("inf")
-    for _ in range(reps):
-        sync(device)
-        t0 = time.perf_counter()
-        a @ b
-        sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * size**3 / best
+    from bench.model_step import matmul_flops as best_matmul
+
+    return best_matmul(device, torch.float32, size, reps)
 
 
 def first_jobs(store: ChunkStore, n: int, batch_size: int) -> list[EmbedJob]:
