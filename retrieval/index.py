@@ -146,11 +146,11 @@ def build_index(emb: Embeddings, out_dir: Path, factory: str, train_sample: int,
     begin = time.perf_counter()
     index = make_index(factory, emb.dim)
     trained = out_dir / TRAINED_FILE
-    sample_size = 0
+    # Vectors the index is trained on (the same when a resumed build finds the trained index).
+    sample_size = 0 if index.is_trained else (len(emb) if train_sample == 0 else min(train_sample, len(emb)))
     if not trained.exists():
         if not index.is_trained:
             sample = sample_rows(emb, train_sample, seed)
-            sample_size = len(sample)
             try:
                 index.train(sample)
             except RuntimeError as e:
