@@ -254,7 +254,7 @@ def _truncate_metrics(path: Path, step: int) -> None:
 # Settings that change how, not what, a stage computes: a run is the same run without them.
 NOT_THE_RUN = {"data": {"num_workers"}, "retrieval": {"embed_batch_size", "embed_actors", "embed_device",
                                                      "recall_queries"},
-               "train": {"eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints"}}
+               "train": {"name", "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints"}}
 
 
 def run_identity(cfg_dict: dict) -> dict:
