@@ -57,30 +57,34 @@ def prepare_heldout(cfg, corpus: str, out_dir: Path, need_neighbours: bool = Tru
     if not need_neighbours:
         return store, None
 
+    from data.neighbours import NeighbourStore
     from data.tokenizer import get_tokenizer
     from retrieval.embed import chunk_texts
     from retrieval.files import read_json, save_npy, write_json
     from retrieval.query import Retriever
 
-    retriever = Retriever(cfg.retrieval_dir, train_store, cfg.retrieval)
-    inputs = {"heldout_fingerprint": store.fingerprint, "database": read_json(cfg.retrieval_dir / "index" / "manifest.json")["fingerprint"],
-              "k": retriever.k, "candidates": cfg.retrieval.candidates, "nprobe": cfg.retrieval.nprobe,
-              "ef_search": cfg.retrieval.ef_search, "rerank": retriever.rerank}
+    database = NeighbourStore(cfg.retrieval_dir, train_store)  # neighbour + continuation tokens
+    index_manifest = read_json(cfg.retrieval_dir / "index" / "manifest.json") or {}
+    inputs = {"heldout_fingerprint": store.fingerprint, "database": index_manifest.get("fingerprint"),
+              "k": database.k, "candidates": cfg.retrieval.candidates, "nprobe": cfg.retrieval.nprobe,
+              "ef_search": cfg.retrieval.ef_search,
+              "rerank": cfg.retrieval.rerank and index_manifest.get("factory") != "Flat"}
     path, manifest = out_dir / "neighbours.npy", out_dir / "neighbours.json"
     if path.exists() and read_json(manifest) == inputs:
-        ids = np.load(path, allow_pickle=False)
-    else:
-        chunks = store.split("validation")
-        encoding = get_tokenizer(store.manifest["tokenizer"])
-        parts = []
-        for start in tqdm(range(0, len(chunks), QUERY_BATCH), desc="retrieve held-out", disable=not progress):
-            ids = np.arange(start, min(start + QUERY_BATCH, len(chunks)))
-            texts = chunk_texts(chunks.tokens(ids), chunks.lengths[ids], encoding, store.pad_id)
-            parts.append(retriever.neighbour_ids(texts, retriever.k))         # (q, k)
-        ids = np.concatenate(parts) if parts else np.zeros((0, retriever.k), dtype=np.int64)
-        save_npy(path, ids.astype(np.int64))
-        write_json(manifest, inputs)
-    return store, HeldoutNeighbours(ids, retriever.store)
+        return store, HeldoutNeighbours(np.load(path, allow_pickle=False), database)
+    # Only a cache miss loads the embedder and the index.
+    retriever = Retriever(cfg.retrieval_dir, train_store, cfg.retrieval)
+    chunks = store.split("validation")
+    encoding = get_tokenizer(store.manifest["tokenizer"])
+    parts = []
+    for start in tqdm(range(0, len(chunks), QUERY_BATCH), desc="retrieve held-out", disable=not progress):
+        ids = np.arange(start, min(start + QUERY_BATCH, len(chunks)))
+        texts = chunk_texts(chunks.tokens(ids), chunks.lengths[ids], encoding, store.pad_id)
+        parts.append(retriever.neighbour_ids(texts, retriever.k))             # (q, k)
+    ids = np.concatenate(parts) if parts else np.zeros((0, retriever.k), dtype=np.int64)
+    save_npy(path, ids.astype(np.int64))
+    write_json(manifest, inputs)
+    return store, HeldoutNeighbours(ids, database)
 
 
 def describe(out_dir: Path) -> str:
