@@ -32,7 +32,18 @@ DOC_SCHEMA = pa.schema([
     ("num_tokens", pa.int64()),   # including the end-of-text token
     ("num_chunks", pa.int64()),
     ("num_bytes", pa.int64()),    # UTF-8 bytes of the normalised text: the bits-per-byte denominator
+    ("text_hash", pa.uint64()),   # of the normalised text: exact duplicates share it (text_hash())
 ])
+
+
+def text_hash(text: str) -> int:
+    """64-bit blake2b of a document's normalised text: equal texts, equal hashes, whatever their ids.
+
+    The retrieval database never serves a query a chunk of a document with the same hash as the
+    query's own document (or, in training, as any document of its sequence): exact copies of a
+    document are leaks as much as the document itself.
+    """
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "big")
 
 
 def split_of(source_id: str, seed: int, validation_fraction: float) -> str:
@@ -86,7 +97,7 @@ def tokenize_block(index: int, first_doc: int, docs: list[tuple[str, str]], enco
         chunk_list.append(chunks)
         length_list.append(lengths)
         for name, value in zip(DOC_SCHEMA.names, (doc_index, source_id, split, len(tokens), len(chunks),
-                                                  len(text.encode("utf-8")))):
+                                                  len(text.encode("utf-8")), text_hash(text))):
             doc_rows[name].append(value)
 
     schema = chunk_schema(chunk_len)

@@ -7,8 +7,8 @@ and raises `ConfigError` naming the key, so an error always says which knob is w
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
 
 class ConfigError(ValueError):
@@ -25,10 +25,6 @@ def require(condition: bool, key: str, message: str) -> None:
         raise ConfigError(key, message)
 
 
-def as_dict(section) -> dict:
-    return dataclasses.asdict(section)
-
-
 # Where the shipped corpus lives, so the defaults work from any current directory.
 _REPO_ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
 DEFAULT_CORPUS = str(_REPO_ROOT / "corpus" / "jargon_devil.jsonl.gz")
@@ -36,6 +32,9 @@ DEFAULT_CORPUS = str(_REPO_ROOT / "corpus" / "jargon_devil.jsonl.gz")
 
 @dataclass
 class DataConfig:
+    # Keys that change how the stage runs, not what it writes (data/stage.py output_settings).
+    RUNTIME_KEYS: ClassVar[tuple[str, ...]] = ("num_workers", "on_bad_record")
+
     # Input: a file, a directory (every .txt/.jsonl/.jsonl.gz/.parquet below it) or a glob.
     corpus: str = DEFAULT_CORPUS
     # Field names for jsonl and parquet records; a missing id falls back to "<file>:<line>".

@@ -1,15 +1,20 @@
-"""Read the retrieval database's neighbours: the contract between retrieval and training.
+"""Read the neighbours of a chunk store's chunks: the contract between retrieval and training.
 
-    nbrs = NeighbourStore(cfg.retrieval_dir, ChunkStore(cfg.data_dir), chunks_per_seq=L)
-    ids = nbrs.neighbour_ids("train", chunk_ids)                 # (b, l, k) int64, -1 = missing
-    tokens, mask = nbrs.neighbour_tokens("train", chunk_ids)     # (b, l, k, r) int64 / bool
+    nbrs = NeighbourStore.of(cfg.retrieval_dir, ChunkStore(cfg.data_dir), chunks_per_seq=L)
+    nbrs.neighbour_ids("train", chunk_ids)        # (b, l, k) int64 database ids, -1 = missing
+    nbrs.neighbour_tokens("train", chunk_ids)     # (b, l, k, r) int64 token ids, -1 = missing
 
-Plain numpy (no faiss, no ray): training imports this, never `retrieval`. Neighbour ids are
-chunk ids of the *training* split (the database), whatever split the query chunk is from.
-r = 2 · chunk_len: the neighbour chunk followed by its continuation (the next chunk of the same
-document). `mask` is False for a missing neighbour, a missing continuation (document end) and
-padding inside a chunk (position >= its length); tokens there are the pad id.
-The files are written by launch/build_index.py (see docs/retrieval.md).
+One representation from disk to the model: token ids with -1 where a token is missing (no
+neighbour, no continuation at a document's end, padding inside a chunk), exactly what
+`Retro.forward` takes. r = 2 · chunk_len: the neighbour chunk followed by its continuation.
+Neighbour ids are database ids (data/database.py): part 0 is the training split, so without
+further corpora they are training-split chunk ids.
+
+A neighbours directory holds `<split>.npy` ((chunks of the split, k) int64) and manifest.json,
+which names the query chunk store (fingerprint), the database (path and fingerprint), k, and
+the training sequence length the exclusion rules used. `<retrieval_dir>/neighbours/` covers the
+training chunk store; `launch/evaluate.py --corpus/--database` writes others beside its report.
+Plain numpy (no faiss, no ray): training imports this, never `retrieval`.
 """
 
 from __future__ import annotations
@@ -19,15 +24,26 @@ from pathlib import Path
 
 import numpy as np
 
+from data.database import DATABASE_FILE, REBUILD, Database, resolve_part_path
 from data.readers import DataError
 from data.store import ChunkStore
 
-REBUILD = "python launch/build_index.py --config <your config>"
+
+def check_neighbour_count(k: int | None, stored: int, where, asked: str = "neighbours per chunk") -> int:
+    """The one rule for how many neighbours a caller may ask for: 1 <= k <= what is stored (0/None = all).
+
+    `asked` names the setting the k came from (e.g. "--neighbours", "eval.more_neighbours").
+    """
+    k = stored if not k else k
+    if not 1 <= k <= stored:
+        raise DataError(f"{asked} {k}: {where} holds {stored} per chunk (retrieval.k); rebuild it with a larger "
+                        f"retrieval.k for more")
+    return k
 
 
 class NeighbourStore:
-    def __init__(self, retrieval_dir: str | Path, chunk_store: ChunkStore, chunks_per_seq: int | None = None):
-        self.dir = Path(retrieval_dir) / "neighbours"
+    def __init__(self, neighbours_dir: str | Path, chunk_store: ChunkStore, chunks_per_seq: int | None = None):
+        self.dir = Path(neighbours_dir)
         self.chunk_store = chunk_store
         path = self.dir / "manifest.json"
         if not path.exists():
@@ -46,12 +62,18 @@ class NeighbourStore:
             raise DataError(f"{path}: neighbours exclude documents of {stored_l}-chunk training sequences, but "
                             f"{chunks_per_seq} chunks per sequence were asked for (train.seq_len / data.chunk_len); "
                             f"rebuild them: {REBUILD}")
+        self.database = Database(resolve_part_path(self.dir, self.manifest, "database", DATABASE_FILE))
+        if self.database.fingerprint != self.manifest.get("database_fingerprint"):
+            raise DataError(f"stale neighbours: {path} was searched in database {self.manifest.get('database_fingerprint')}, "
+                            f"but {self.database.root} is now {self.database.fingerprint}; rebuild them: {REBUILD}")
         self.k: int = int(self.manifest["k"])
-        self.chunk_len = chunk_store.chunk_len
-        self.r = 2 * self.chunk_len
+        self.r = self.database.r
         self._ids: dict[str, np.ndarray] = {}
-        self._db = chunk_store.split("train")
-        self._continuation = self._db.continuation_ids()  # (N,) next chunk of the same document or -1
+
+    @classmethod
+    def of(cls, retrieval_dir: str | Path, chunk_store: ChunkStore, chunks_per_seq: int | None = None) -> "NeighbourStore":
+        """The neighbours of the training chunk store, built by launch/build_index.py."""
+        return cls(Path(retrieval_dir) / "neighbours", chunk_store, chunks_per_seq)
 
     def ids(self, split: str) -> np.ndarray:
         """(num_chunks, k) int64 memory-mapped neighbour ids of every chunk of the split."""
@@ -67,36 +89,12 @@ class NeighbourStore:
             self._ids[split] = arr
         return self._ids[split]
 
-    def _k(self, k: int | None) -> int:
-        k = self.k if k is None or k == 0 else k
-        if not 1 <= k <= self.k:
-            raise DataError(f"{k} neighbours asked for, but {self.dir} stores {self.k} per chunk (retrieval.k)")
-        return k
-
     def neighbour_ids(self, split: str, chunk_ids: np.ndarray, k: int | None = None) -> np.ndarray:
-        """(..., k) int64 training-split chunk ids of the neighbours of chunk_ids (...), -1 = missing."""
+        """(..., k) int64 database ids of the neighbours of chunk_ids (...), -1 = missing."""
+        k = check_neighbour_count(k, self.k, self.dir)
         chunk_ids = np.asarray(chunk_ids, dtype=np.int64)
-        return np.asarray(self.ids(split)[chunk_ids.reshape(-1), :self._k(k)]).reshape(*chunk_ids.shape, -1)
+        return np.asarray(self.ids(split)[chunk_ids.reshape(-1), :k]).reshape(*chunk_ids.shape, k)
 
-    def neighbour_tokens(self, split: str, chunk_ids: np.ndarray, k: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Neighbour + continuation tokens of chunk_ids (b, l): (tokens, mask), each (b, l, k, r)."""
-        return self.tokens_of(self.neighbour_ids(split, chunk_ids, k))
-
-    def tokens_of(self, nbr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Training chunks nbr (..., k), -1 = none, with their continuations: (tokens, mask), each (..., k, r)."""
-        cont = np.where(nbr >= 0, self._continuation[np.maximum(nbr, 0)], -1)  # (..., k)
-        halves = [self._chunk_tokens(ids) for ids in (nbr, cont)]          # each ((..., k, m), (..., k, m))
-        tokens = np.concatenate([halves[0][0], halves[1][0]], axis=-1)      # (..., k, r)
-        mask = np.concatenate([halves[0][1], halves[1][1]], axis=-1)        # (..., k, r)
-        return tokens, mask
-
-    def _chunk_tokens(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Tokens and validity of training chunks ids (...), -1 = none: each (..., chunk_len)."""
-        flat = ids.reshape(-1)
-        present = flat >= 0
-        safe = np.where(present, flat, 0)
-        tokens = self._db.tokens(safe).astype(np.int64)                     # (n, m)
-        valid = present[:, None] & (np.arange(self.chunk_len)[None, :] < self._db.lengths[safe][:, None])
-        tokens[~valid] = self.chunk_store.pad_id
-        shape = (*ids.shape, self.chunk_len)
-        return tokens.reshape(shape), valid.reshape(shape)
+    def neighbour_tokens(self, split: str, chunk_ids: np.ndarray, k: int | None = None) -> np.ndarray:
+        """Neighbour + continuation tokens of chunk_ids (...): (..., k, r) int64, -1 = missing."""
+        return self.database.neighbour_tokens(self.neighbour_ids(split, chunk_ids, k))

@@ -23,7 +23,7 @@ import os
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -31,37 +31,16 @@ import pyarrow as pa
 from data.chunking import SPLITS, Block, tokenize_block
 from data.config import DataConfig
 from data.readers import BadRecords, DataError, read_documents
+from data.stage import Executor, atomic_write, fingerprint, output_settings, serial_executor
 from data.tokenizer import get_tokenizer
 
-MANIFEST_VERSION = 1
-# Settings that cannot change the bytes written: they may differ between a run and its resume.
-_NOT_IN_FINGERPRINT = ("num_workers", "on_bad_record")
-
-# map_unordered(fn, iterable of argument tuples, max_in_flight) -> iterator of fn(*args) results
-Executor = Callable[[Callable, Iterable[tuple], int], Iterator]
-
-
-def serial_executor(fn: Callable, jobs: Iterable[tuple], max_in_flight: int) -> Iterator:
-    for args in jobs:
-        yield fn(*args)
+# 2: documents.arrow has text_hash (exact-duplicate detection for the retrieval database).
+MANIFEST_VERSION = 2
 
 
 def config_fingerprint(cfg: DataConfig) -> str:
-    relevant = {k: v for k, v in asdict(cfg).items() if k not in _NOT_IN_FINGERPRINT}
-    relevant["manifest_version"] = MANIFEST_VERSION
-    return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def atomic_write(path: Path, data: bytes) -> str:
-    """Write bytes to path via a temp file and os.replace; return their sha256.
-
-    The rename makes a killed process leave either the whole file or none. (No fsync: it
-    would cost more than the tokenizing on small shards, and only guards against power loss.)
-    """
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-    return hashlib.sha256(data).hexdigest()
+    """Fingerprint of the settings that change the bytes written (DataConfig.RUNTIME_KEYS do not)."""
+    return fingerprint({**output_settings(cfg), "manifest_version": MANIFEST_VERSION})
 
 
 def shard_name(index: int) -> str:
@@ -88,6 +67,9 @@ def _claim_directory(out: Path, cfg: DataConfig) -> None:
     fingerprint = config_fingerprint(cfg)
     if claim.exists():
         previous = json.loads(claim.read_text())
+        if previous.get("manifest_version", 1) != MANIFEST_VERSION:
+            raise DataError(f"{out} holds data prepared by an older RetroPipe (chunk-store format "
+                            f"{previous.get('manifest_version', 1)}, now {MANIFEST_VERSION}); delete {out} and prepare again")
         if previous.get("config_fingerprint") != fingerprint:
             raise DataError(f"{out} holds data prepared with a different data config "
                             f"(fingerprint {previous.get('config_fingerprint')} != {fingerprint}, "
@@ -95,7 +77,8 @@ def _claim_directory(out: Path, cfg: DataConfig) -> None:
         return
     for sub in ("blocks", *SPLITS):
         (out / sub).mkdir(parents=True, exist_ok=True)
-    atomic_write(claim, json.dumps({"config_fingerprint": fingerprint, "config": asdict(cfg)}, indent=1).encode())
+    atomic_write(claim, json.dumps({"config_fingerprint": fingerprint, "manifest_version": MANIFEST_VERSION,
+                                    "config": asdict(cfg)}, indent=1).encode())
 
 
 def load_manifest(out: Path) -> dict | None:

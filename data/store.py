@@ -66,6 +66,13 @@ class SplitChunks:
         stop = len(self) if stop is None else stop
         return self.tokens(np.arange(start, stop))
 
+    def positions_in_document(self) -> np.ndarray:
+        """(c,) int64: each chunk's index within its document (chunks of a document are consecutive)."""
+        starts = np.ones(len(self), dtype=bool)
+        starts[1:] = self.doc_index[1:] != self.doc_index[:-1]
+        first = np.maximum.accumulate(np.where(starts, np.arange(len(self)), 0))
+        return np.arange(len(self)) - first
+
     def continuation_ids(self) -> np.ndarray:
         """For each chunk, the next chunk of the same document, or -1 at a document's end."""
         nxt = np.arange(1, len(self) + 1, dtype=np.int64)
@@ -98,6 +105,9 @@ class ChunkStore:
         self.pad_id: int = self.manifest["pad_id"]
         self.eot_id: int = self.manifest["eot_id"]
         self.fingerprint: str = self.manifest["fingerprint"]
+        if self.manifest.get("version", 1) < 2:
+            raise DataError(f"{path}: prepared by an older RetroPipe (chunk-store format {self.manifest.get('version', 1)},"
+                            f" no document text hashes); delete {self.root} and run launch/prepare_data.py again")
         for split in SPLITS:
             for name in self.manifest["shards"][split]:
                 if not (self.root / split / name).exists():
@@ -114,6 +124,11 @@ class ChunkStore:
     @cached_property
     def documents(self) -> pa.Table:
         return _open_ipc(self.root / "documents.arrow")
+
+    def text_hashes(self, name: str) -> np.ndarray:
+        """(chunks of the split,) uint64: the text hash of each chunk's document (data.chunking.text_hash)."""
+        by_doc = self.documents.column("text_hash").to_numpy()
+        return by_doc[self.split(name).doc_index]
 
     def split_bytes(self, name: str) -> int:
         """UTF-8 bytes of the split's documents: the denominator of bits per byte."""

@@ -51,8 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    from retrieval.files import RetrievalError
-    from retrieval.pipeline import build_retrieval, summary
+    from retrieval.build import build_retrieval, summary
+    from retrieval.config import RetrievalError
     from retrieval.ray_embed import RayEmbedRunner
 
     executor = None
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         runner = RayEmbedRunner(executor, cfg.retrieval.embed_actors, cfg.retrieval.embed_device,
                                 progress=not args.no_progress)
         result = build_retrieval(cfg.retrieval, store, cfg.retrieval_dir,
-                                 chunks_per_seq=cfg.train.seq_len // cfg.data.chunk_len,
+                                 chunks_per_seq=cfg.train.seq_len // cfg.data.chunk_len, data_cfg=cfg.data,
                                  embed_runner=runner, executor=executor, workers=os.cpu_count() or 2,
                                  progress=not args.no_progress)
         save_config(cfg, cfg.retrieval_dir)

@@ -1,89 +1,126 @@
-"""Evaluate trained models in bits per byte: baseline, RETRO[ON], RETRO[OFF], more neighbours, leakage.
+"""Evaluate trained models in bits per byte: baseline, RETRO[ON], RETRO[OFF], RETRO[SHUFFLED], leakage α.
 
     python launch/evaluate.py --config configs/tiny.yaml --checkpoint runs/tiny/runs/gpt2 \\
         --checkpoint runs/tiny/runs/retro [--split validation] [--out DIR]
+    python launch/evaluate.py --config configs/tiny.yaml --checkpoint runs/tiny/runs/retro --corpus other.jsonl
+    python launch/evaluate.py --config configs/tiny.yaml --checkpoint runs/tiny/runs/retro --database OTHER/retrieval
 
 A checkpoint is a run directory (its model/ is read) or a model directory. Writes report.md,
-report.json and PNG plots into --out (default <workdir>/reports) and prints a short table.
-`--corpus PATH` evaluates any held-out corpus instead (prepared with the training tokenizer,
-retrieving from the training database; default --out <workdir>/reports/heldout-<name>-<hash>).
+report.json, config.yaml and PNG plots into --out (default <workdir>/reports) and prints a table.
+`--corpus PATH` evaluates any held-out corpus (prepared with the training tokenizer, every
+document held out); `--database DIR` retrieves from another database built by
+launch/build_index.py (a bigger one, say) instead of <workdir>/retrieval: no retraining.
+`eval.database_curve` adds the database-size curve. The rules (rows, α) are training/evaluate.py's.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import re
 import sys
 from pathlib import Path
 
-import numpy as np
-
 from data.config import ConfigError
 from data.readers import DataError
-from launch.config import add_config_args, config_from_args
+from launch.config import add_config_args, config_from_args, save_config
 
 
 def model_dir_of(path: Path) -> Path:
     return path / "model" if (path / "model" / "config.json").exists() else path
 
 
-def evaluate(cfg, checkpoints: list[Path], split: str, out: Path, store=None, neighbours=None,
-             corpus: str | None = None) -> dict:
-    """Score every checkpoint on `split` of `store` (default: the training data's chunk store)."""
-    import torch
+def _tag(path: str) -> str:
+    """A readable, unique directory name for a corpus or database path."""
+    digest = hashlib.blake2b(str(Path(path).resolve()).encode(), digest_size=4).hexdigest()
+    parts = [p for p in Path(path).resolve().parts if p not in ("/", "retrieval")]
+    name = re.sub(r"[^\w-]+", "_", (parts[-1] if parts else "db").split(".")[0]).strip("_") or "corpus"
+    return f"{name}-{digest}"
+
+
+def stored_embeddings(cfg, store):
+    """The build's embeddings of `store` (the training data), or None: a held-out corpus is embedded anew."""
+    from data.stage import read_json
+    from retrieval.embed import Embeddings
+
+    manifest = read_json(cfg.retrieval_dir / "embeddings" / "manifest.json")
+    if manifest and manifest.get("chunk_store_fingerprint") == store.fingerprint:
+        return Embeddings(cfg.retrieval_dir / "embeddings", manifest)
+    return None
+
+
+def neighbour_sources(cfg, store, split: str, out: Path, database_dir: Path):
+    """(neighbours of the evaluated split, database-size curve [(label, tokens, neighbours)])."""
+    from data.neighbours import NeighbourStore
+    from retrieval.heldout import database_subset, split_neighbours
+    from retrieval.query import Retriever
+
+    own = store.root.resolve() == cfg.data_dir.resolve() and database_dir.resolve() == cfg.retrieval_dir.resolve()
+    retriever = None
+    if own:  # the training data against its own database: the neighbours the build computed
+        neighbours = NeighbourStore.of(cfg.retrieval_dir, store)
+    else:
+        retriever = Retriever(database_dir, cfg.retrieval)
+        neighbours = split_neighbours(retriever, store, split, out / "neighbours" / _tag(str(database_dir)),
+                                      cfg.retrieval, stored_embeddings(cfg, store))
+    curve = []
+    if cfg.eval.database_curve:
+        retriever = retriever or Retriever(database_dir, cfg.retrieval)
+        if len(retriever.database.parts) < 2:
+            raise ConfigError("eval.database_curve", f"the database at {database_dir} holds the training split only; "
+                              f"add corpora with retrieval.corpora (and run launch/build_index.py) to grow it")
+        query_emb = stored_embeddings(cfg, store)
+        for fraction in sorted(set(cfg.eval.database_curve)):
+            allowed, tokens = database_subset(retriever.database, fraction, cfg.retrieval.seed)
+            label = "training split" if fraction == 0 else f"+{fraction:.1%} of the further corpora"
+            nbrs = split_neighbours(retriever, store, split, out / "neighbours" / f"{_tag(str(database_dir))}-{fraction:g}",
+                                    cfg.retrieval, query_emb, allowed)
+            curve.append((label, tokens, nbrs))
+    return neighbours, curve
+
+
+def evaluate(cfg, checkpoints: list[Path], split: str, out: Path, corpus: str | None = None,
+             database: Path | None = None, device: str = "cpu", progress: bool = True) -> dict:
+    """Score every checkpoint on `split` (or on a held-out corpus); write the report files into out."""
     from tqdm import tqdm
 
-    from data.neighbours import NeighbourStore
+    from data.stage import fingerprint, sha256_file, write_json
     from data.store import ChunkStore
     from data.tokenizer import get_tokenizer
-    from training import load_model
-    from training.evaluate import alpha_buckets, overlap_ratios, score_split, token_byte_lengths
-
-    store = store if store is not None else ChunkStore(cfg.data_dir)
-    chunks = store.split(split)
-    byte_lengths = token_byte_lengths(get_tokenizer(store.manifest["tokenizer"]))
-    e = cfg.eval
-    models = [(p, load_model(model_dir_of(p))) for p in checkpoints]
-    if neighbours is None and any(m.cfg.kind == "retro" for _, m in models):
-        neighbours = NeighbourStore(cfg.retrieval_dir, store)
-    rows, per_chunk = [], {}
-
-    @torch.no_grad()
-    def run(name, model, nbrs, k):
-        bar = lambda xs: tqdm(xs, desc=f"eval {name}", leave=False, dynamic_ncols=True)  # noqa: E731
-        scores = score_split(model, chunks, byte_lengths, e.window, e.stride, nbrs, k, e.batch_size, progress=bar,
-                             max_chunks=e.max_chunks)
-        per_chunk[name] = scores
-        rows.append({"model": name, "bits_per_byte": scores.bits_per_byte(), "perplexity": scores.perplexity(),
-                     "tokens": int(scores.tokens.sum()), "bytes": int(scores.bytes.sum())})
-
-    for path, model in models:
-        label = path.name if path.name != "model" else path.parent.name
-        if model.cfg.kind == "gpt2":
-            run(f"{label} (baseline)", model, None, 0)
-        else:
-            run(f"{label} RETRO[ON] k={e.neighbours}", model, neighbours, e.neighbours)
-            run(f"{label} RETRO[OFF]", model, None, 0)
-            if e.more_neighbours > e.neighbours:
-                run(f"{label} RETRO[ON] k={e.more_neighbours}", model, neighbours, e.more_neighbours)
-
-    report = {"split": split, "corpus": corpus or str(cfg.data.corpus), "window": e.window, "stride": e.stride, "rows": rows, "alpha": None}
-    if neighbours is not None:
-        # α(u): chunk u against the neighbours of chunk u - 1, the ones it is predicted with.
-        ids = np.arange(len(next(iter(per_chunk.values())).nll))
-        nb, mask = neighbours.neighbour_tokens(split, np.maximum(ids - 1, 0), k=e.neighbours)
-        mask[0] = False
-        alpha = overlap_ratios(chunks.tokens(ids), chunks.lengths, nb, mask, store.chunk_len)
-        buckets = []
-        for label, sel in alpha_buckets(alpha):
-            buckets.append({"bucket": label, "chunks": int(sel.sum()),
-                            **{name: s.bits_per_byte(sel) for name, s in per_chunk.items()}})
-        report["alpha"] = {"buckets": buckets, "mean": float(alpha.mean())}
-    out.mkdir(parents=True, exist_ok=True)
-    from data.prepare import atomic_write
-    atomic_write(out / "report.json", json.dumps(report, indent=1).encode())
     from launch.report import write_report
-    write_report(report, [p for p, _ in models], out)
+    from training import load_model
+    from training.evaluate import evaluate_models
+    from training.scoring import token_byte_lengths
+
+    train_store = ChunkStore(cfg.data_dir)
+    store = train_store
+    if corpus:
+        from retrieval.heldout import prepare_heldout
+
+        store = prepare_heldout(cfg.data, corpus, out / "data", train_store, progress=progress)
+        split = "validation"
+    database = Path(database or cfg.retrieval_dir)
+    models = [(p.name if p.name != "model" else p.parent.name, load_model(model_dir_of(p), device=device))
+              for p in checkpoints]
+    neighbours, curve = None, []
+    if any(m.cfg.kind == "retro" for _, m in models):
+        neighbours, curve = neighbour_sources(cfg, store, split, out, database)
+    chunks = store.split(split)
+    bar = (lambda name: lambda xs: tqdm(xs, desc=f"eval {name}", leave=False, dynamic_ncols=True)) if progress else None
+    report = evaluate_models(models, chunks, token_byte_lengths(get_tokenizer(store.manifest["tokenizer"])), cfg.eval,
+                             neighbours, curve, progress=bar, device=device)
+    report.update(split=split, corpus=corpus or str(cfg.data.corpus), database=str(database),
+                  checkpoints=[str(p) for p in checkpoints])
+    # What the report was computed from: a rerun with the same inputs may skip (launch/demo.py does).
+    report["inputs"] = fingerprint({"models": [sha256_file(model_dir_of(p) / "model.safetensors") for p in checkpoints],
+                                    "chunk_store": store.fingerprint, "split": split, "eval": vars(cfg.eval),
+                                    "neighbours": neighbours.manifest["fingerprint"] if neighbours else None,
+                                    "curve": [n.manifest["fingerprint"] for _, _, n in curve]})
+    out.mkdir(parents=True, exist_ok=True)
+    write_report(report, [p for p in checkpoints], out)
+    write_json(out / "report.json", report)  # last: the report is complete
+    save_config(cfg, out)
     return report
 
 
@@ -94,12 +131,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--split", default=None, choices=["validation", "train"], help="default: validation")
     parser.add_argument("--corpus", default=None,
                         help="evaluate on this held-out corpus (file, directory or glob) instead of a split; "
-                             "it is prepared with the training tokenizer and retrieves from the training database")
+                             "it is prepared with the training tokenizer and retrieves from the database")
+    parser.add_argument("--database", default=None, type=Path,
+                        help="retrieve from this database (a <workdir>/retrieval built by launch/build_index.py) "
+                             "instead of the config's")
     parser.add_argument("--out", type=Path, default=None, help="report directory (default <workdir>/reports)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
     if args.corpus and args.split:
         parser.error("--corpus evaluates a whole held-out corpus; --split applies to the training data only")
-    args.split = args.split or "validation"
     try:
         cfg = config_from_args(args)
         for path in args.checkpoint:
@@ -107,20 +147,12 @@ def main(argv: list[str] | None = None) -> int:
                 raise DataError(f"--checkpoint {path}: no model there (expected a run directory with model/, "
                                 f"or a directory with config.json and model.safetensors)")
         out = args.out or cfg.reports_dir
-        store = neighbours = None
-        if args.corpus:
-            import hashlib
-            tag = hashlib.blake2b(str(Path(args.corpus).resolve()).encode(), digest_size=4).hexdigest()
-            import re
-            name = re.sub(r"[^\w-]+", "_", Path(args.corpus).name.split(".")[0]).strip("_") or "corpus"
-            out = args.out or cfg.reports_dir / f"heldout-{name}-{tag}"
-            from launch.heldout import describe, prepare_heldout
-            from training.model_io import read_config
-
-            retro = any(read_config(model_dir_of(p)).kind == "retro" for p in args.checkpoint)
-            store, neighbours = prepare_heldout(cfg, args.corpus, out, need_neighbours=retro)
-            print(f"held-out corpus {args.corpus}: {describe(out)}")
-        report = evaluate(cfg, args.checkpoint, args.split, out, store, neighbours, args.corpus)
+        if args.out is None and args.corpus:
+            out = cfg.reports_dir / f"heldout-{_tag(args.corpus)}"
+        if args.out is None and args.database:
+            out = out / f"database-{_tag(str(args.database))}"
+        report = evaluate(cfg, args.checkpoint, args.split or "validation", out, args.corpus, args.database,
+                          progress=not args.no_progress)
     except (ConfigError, DataError, ValueError) as e:
         print(f"evaluate: error: {e}", file=sys.stderr)
         return 2

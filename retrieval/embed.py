@@ -26,8 +26,11 @@ import numpy as np
 
 from data.chunking import SPLITS
 from data.store import ChunkStore
-from retrieval.files import (MANIFEST_VERSION, RetrievalError, fingerprint, load_npy, open_stage, save_npy,
-                             sha256_file, write_json)
+from data.stage import fingerprint, load_npy, open_stage, save_npy, sha256_file, write_json
+from retrieval.config import RetrievalError
+
+MANIFEST_VERSION = 1
+REBUILD = "run launch/build_index.py again"
 
 DEFAULT_MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 # Texts per forward pass inside a job, sorted by length: less padding than one big batch, and
@@ -213,8 +216,8 @@ def embed_store(store: ChunkStore, out_dir: Path, embedder: str, batch_size: int
     if parts:
         raise RetrievalError(f"embedding runner returned no result for shards {sorted(parts)}")
     if dim is None:  # nothing was embedded in this run: read the dimension from a finished shard
-        dim = next((load_npy(out_dir / s / shard_file(n)).shape[1] for s in SPLITS for n in names[s]
-                    if (out_dir / s / shard_file(n)).exists() and load_npy(out_dir / s / shard_file(n)).shape[0]),
+        dim = next((load_npy(out_dir / s / shard_file(n), rerun=REBUILD).shape[1] for s in SPLITS for n in names[s]
+                    if (out_dir / s / shard_file(n)).exists() and load_npy(out_dir / s / shard_file(n), rerun=REBUILD).shape[0]),
                    None)
     for split, i in [(s, i) for s in SPLITS for i in range(len(names[s]))]:
         path = out_dir / split / shard_file(names[split][i])
@@ -232,7 +235,7 @@ def _finalize(store: ChunkStore, out_dir: Path, inputs: dict, names: dict, model
         shas[split] = []
         for i, name in enumerate(names[split]):
             path = out_dir / split / shard_file(name)
-            arr = load_npy(path)
+            arr = load_npy(path, rerun=REBUILD)
             expected = store.manifest["shard_chunks"][split][i]
             if arr.shape[0] != expected or arr.dtype != np.float16:
                 raise RetrievalError(f"{path}: {arr.shape} {arr.dtype}, expected ({expected}, d) float16; "
@@ -279,7 +282,7 @@ class Embeddings:
 
     def shard(self, split: str, i: int) -> np.ndarray:
         """(n, d) float32 of shard i (a copy: FAISS wants float32)."""
-        arr = load_npy(self.shard_path(split, i))
+        arr = load_npy(self.shard_path(split, i), rerun=REBUILD)
         if arr.ndim != 2 or (arr.shape[0] and arr.shape[1] != self.dim):
             raise RetrievalError(f"{self.shard_path(split, i)}: shape {arr.shape} does not match the embedding "
                                  f"dimension {self.dim} in {self.dir / 'manifest.json'}")
@@ -301,6 +304,6 @@ class Embeddings:
             sel = shard == s
             key = (split, int(s))
             if key not in self._maps:
-                self._maps[key] = load_npy(self.shard_path(split, int(s)))
+                self._maps[key] = load_npy(self.shard_path(split, int(s)), rerun=REBUILD)
             out[sel] = self._maps[key][ids[sel] - offsets[s]]
         return out

@@ -1,4 +1,4 @@
-"""The FAISS index over the training split's chunk embeddings (RETRO §2.3), faiss-contrib style.
+"""The FAISS index over the database's chunk embeddings (RETRO §2.3), faiss-contrib style.
 
     train on a seeded sample → add each embedding shard in parallel → merge → recall check
 
@@ -10,9 +10,12 @@ IVF indexes are merged with on-disk inverted lists (`faiss.contrib.ondisk.merge_
 merged index need not fit in one worker's memory; flat-code indexes (Flat, PQ, SQ) are merged
 in memory; anything else (e.g. plain HNSW) is added in one pass by the driver.
 
+Vectors come from `retrieval.database.DatabaseVectors`: every part's embedding shards in
+database-id order, so the index's ids are database ids.
+
 Layout of `<retrieval_dir>/index/`:
     trained.faissindex        the trained, empty index
-    shards/shard-NNNNN.faissindex   one per training embedding shard (ids = chunk ids)
+    shards/shard-NNNNN.faissindex   one per embedding shard of the database (ids = database ids)
     index.faissindex (+ index.ivfdata for IVF)   the merged index
     manifest.json             factory, metric, dim, ntotal, train sample, recall@k, fingerprint
 """
@@ -22,12 +25,14 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable
 
 import numpy as np
 
-from retrieval.embed import Embeddings
-from retrieval.files import MANIFEST_VERSION, RetrievalError, fingerprint, open_stage, sha256_file, tmp_path, write_json
+from data.stage import Executor, fingerprint, open_stage, serial_executor, sha256_file, tmp_path, write_json
+from retrieval.config import RetrievalError
+
+MANIFEST_VERSION = 2  # 2: over the database's parts (ids are database ids)
 
 INDEX_FILE, IVFDATA_FILE, TRAINED_FILE = "index.faissindex", "index.ivfdata", "trained.faissindex"
 
@@ -97,13 +102,13 @@ def set_search_params(index, nprobe: int, ef_search: int) -> None:
         pass  # not an HNSW index
 
 
-def sample_rows(emb: Embeddings, n: int, seed: int) -> np.ndarray:
-    """(min(n, N), d) float32: a seeded random sample of training embeddings (n = 0: all)."""
-    total = len(emb)
+def sample_rows(vectors, n: int, seed: int) -> np.ndarray:
+    """(min(n, N), d) float32: a seeded random sample of the database's embeddings (n = 0: all)."""
+    total = len(vectors)
     if n == 0 or n >= total:
-        return np.concatenate([x for _, x in emb.shards("train")]) if total else np.zeros((0, emb.dim), np.float32)
+        return np.concatenate([x for _, x in vectors.shards()]) if total else np.zeros((0, vectors.dim), np.float32)
     ids = np.sort(np.random.default_rng(seed).choice(total, size=n, replace=False))
-    return emb.rows("train", ids)
+    return vectors.rows(ids)
 
 
 def add_shard(trained_path: str, emb_path: str, first_id: int, out_path: str) -> tuple[str, int]:
@@ -124,33 +129,27 @@ def add_shard(trained_path: str, emb_path: str, first_id: int, out_path: str) ->
     return out_path, len(x)
 
 
-# executor(fn, jobs, max_in_flight) -> iterator of results, as in data/prepare.py
-Executor = Callable[[Callable, Iterable[tuple], int], Iterator]
-
-
-def serial_executor(fn: Callable, jobs: Iterable[tuple], max_in_flight: int) -> Iterator:
-    for args in jobs:
-        yield fn(*args)
-
-
-def build_index(emb: Embeddings, out_dir: Path, factory: str, train_sample: int, seed: int,
+def build_index(vectors, out_dir: Path, factory: str, train_sample: int, seed: int,
                 executor: Executor = serial_executor, workers: int = 2) -> dict:
-    """Train, add in shards, merge (resumable); return the manifest (without the recall check)."""
-    inputs = {"version": MANIFEST_VERSION, "embeddings_fingerprint": emb.fingerprint, "factory": factory,
+    """Train, add in shards, merge (resumable); return the manifest (without the recall check).
+
+    vectors: a retrieval.database.DatabaseVectors (shard_files(), shards(), rows(ids), dim, fingerprint).
+    """
+    inputs = {"version": MANIFEST_VERSION, "embeddings_fingerprint": vectors.fingerprint, "factory": factory,
               "train_sample": train_sample, "seed": seed}
     manifest = open_stage(out_dir, inputs)
     if manifest is not None:
         return {**manifest, "skipped": True}
-    if len(emb) == 0:
-        raise RetrievalError("the training split has no chunks: nothing to index")
+    if len(vectors) == 0:
+        raise RetrievalError("the database has no chunks: nothing to index")
     begin = time.perf_counter()
-    index = make_index(factory, emb.dim)
+    index = make_index(factory, vectors.dim)
     trained = out_dir / TRAINED_FILE
     # Vectors the index is trained on (the same when a resumed build finds the trained index).
-    sample_size = 0 if index.is_trained else (len(emb) if train_sample == 0 else min(train_sample, len(emb)))
+    sample_size = 0 if index.is_trained else (len(vectors) if train_sample == 0 else min(train_sample, len(vectors)))
     if not trained.exists():
         if not index.is_trained:
-            sample = sample_rows(emb, train_sample, seed)
+            sample = sample_rows(vectors, train_sample, seed)
             try:
                 index.train(sample)
             except RuntimeError as e:
@@ -163,17 +162,16 @@ def build_index(emb: Embeddings, out_dir: Path, factory: str, train_sample: int,
     kind = merge_kind(index)
     shards_dir = out_dir / "shards"
     shards_dir.mkdir(exist_ok=True)
-    n_shards = len(emb.manifest["shards"]["train"])
-    offsets = emb.offsets("train")
-    shard_paths = [shards_dir / f"shard-{i:05d}.faissindex" for i in range(n_shards)]
+    sources = vectors.shard_files()
+    shard_paths = [shards_dir / f"shard-{i:05d}.faissindex" for i in range(len(sources))]
     add_begin = time.perf_counter()
     if kind == "serial":
         merged = read_index(trained)
-        for _, x in emb.shards("train"):
+        for _, x in vectors.shards():
             merged.add(x)
     else:
-        jobs = [(str(trained), str(emb.shard_path("train", i)), int(offsets[i]), str(shard_paths[i]))
-                for i in range(n_shards) if not shard_paths[i].exists()]
+        jobs = [(str(trained), str(path), first, str(shard_paths[i]))
+                for i, (first, path, _) in enumerate(sources) if not shard_paths[i].exists()]
         for _ in executor(add_shard, jobs, workers):
             pass
     add_seconds = time.perf_counter() - add_begin
@@ -189,13 +187,13 @@ def build_index(emb: Embeddings, out_dir: Path, factory: str, train_sample: int,
             merged.merge_from(faiss.read_index(str(path)), 0)
     if kind != "ivf":
         write_index(merged, out_dir / INDEX_FILE)
-    if merged.ntotal != len(emb):
-        raise RetrievalError(f"{out_dir / INDEX_FILE}: holds {merged.ntotal} vectors, expected {len(emb)}")
+    if merged.ntotal != len(vectors):
+        raise RetrievalError(f"{out_dir / INDEX_FILE}: holds {merged.ntotal} vectors, expected {len(vectors)}")
     files = [INDEX_FILE] + ([IVFDATA_FILE] if kind == "ivf" else [])
     manifest = {
         "version": MANIFEST_VERSION, "inputs": inputs, "factory": factory, "metric": "l2 (unit vectors: cosine)",
-        "dim": emb.dim, "ntotal": int(merged.ntotal), "merge": kind, "train_sample": sample_size,
-        "embeddings_fingerprint": emb.fingerprint, "files": files,
+        "dim": vectors.dim, "ntotal": int(merged.ntotal), "merge": kind, "train_sample": sample_size,
+        "embeddings_fingerprint": vectors.fingerprint, "files": files,
         "sha256": {f: sha256_file(out_dir / f) for f in files},
         "seconds": {"train": round(train_seconds, 2), "add": round(add_seconds, 2),
                     "merge": round(time.perf_counter() - merge_begin, 2)},
@@ -236,13 +234,35 @@ def load_index(out_dir: Path, manifest: dict, dim: int, nprobe: int, ef_search: 
     return index
 
 
-def search(index, queries: np.ndarray, fetch: int, rows: Callable[[np.ndarray], np.ndarray] | None = None) -> np.ndarray:
+def search_params(index, allowed: np.ndarray | None):
+    """FAISS search parameters restricting results to the database ids `allowed` (sorted int64), or None.
+
+    The index's own nprobe / efSearch are carried over: parameters given to a search replace them.
+    """
+    if allowed is None:
+        return None
+    import faiss
+
+    selector = faiss.IDSelectorBatch(len(allowed), faiss.swig_ptr(np.ascontiguousarray(allowed, dtype=np.int64)))
+    ivf = faiss.try_extract_index_ivf(index)
+    if ivf is not None:
+        params = faiss.SearchParametersIVF(sel=selector, nprobe=ivf.nprobe)
+    else:
+        params = faiss.SearchParameters(sel=selector)
+    params._keep = (selector, allowed)  # the selector points into `allowed`: keep both alive
+    return params
+
+
+def search(index, queries: np.ndarray, fetch: int, rows: Callable[[np.ndarray], np.ndarray] | None = None,
+           allowed: np.ndarray | None = None) -> np.ndarray:
     """(q, fetch) database ids, nearest first, -1 = none; re-ranked by exact distance when rows is given.
 
     rows(ids) -> (len(ids), d) float32 database vectors (the stored embeddings). Re-ranking the
     candidates recovers most of the recall PQ codes lose, at `fetch` row reads per query.
+    allowed: only these database ids may be returned (a smaller database inside this index).
     """
-    _, ids = index.search(queries, fetch)                                            # (q, C)
+    params = search_params(index, allowed)
+    _, ids = index.search(queries, fetch, params=params) if params is not None else index.search(queries, fetch)
     if rows is None:
         return ids
     out = np.empty_like(ids)
@@ -285,19 +305,19 @@ def recall_at_k(queries: np.ndarray, found: np.ndarray, exact_d: np.ndarray, row
     return float(hits.sum() / ids.size)
 
 
-def recall_check(index, emb: Embeddings, k: int, n_queries: int, seed: int, fetch: int | None = None,
+def recall_check(index, vectors, query_emb, k: int, n_queries: int, seed: int, fetch: int | None = None,
                  rerank: bool = False) -> dict:
     """recall@k of the index (as the neighbour stage searches it: `fetch` candidates, optionally
-    re-ranked) against exact search, on validation chunks (not in the database)."""
-    split = "validation" if emb.count("validation") else "train"
-    total = emb.count(split)
+    re-ranked) against exact search over `vectors` (DatabaseVectors), on validation chunks of the
+    training data (query_emb: its retrieval.embed.Embeddings), which are not in the database."""
+    split = "validation" if query_emb.count("validation") else "train"
+    total = query_emb.count(split)
     n = min(n_queries, total)
-    if n == 0 or k > len(emb):
+    if n == 0 or k > len(vectors):
         return {"k": k, "queries": 0, "recall": None, "query_split": split}
     ids = np.sort(np.random.default_rng(seed).choice(total, size=n, replace=False))
-    queries = emb.rows(split, ids)
-    exact_d, _ = exact_search(queries, emb.shards("train"), k)
-    rows = lambda i: emb.rows("train", i)  # noqa: E731
-    found = search(index, queries, min(max(fetch or k, k), index.ntotal), rows if rerank else None)
+    queries = query_emb.rows(split, ids)
+    exact_d, _ = exact_search(queries, vectors.shards(), k)
+    found = search(index, queries, min(max(fetch or k, k), index.ntotal), vectors.rows if rerank else None)
     return {"k": k, "queries": n, "query_split": split, "rerank": rerank,
-            "recall": round(recall_at_k(queries, found, exact_d, rows), 4)}
+            "recall": round(recall_at_k(queries, found, exact_d, vectors.rows), 4)}

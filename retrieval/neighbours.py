@@ -1,16 +1,18 @@
-"""Top-k neighbours of every chunk from the training index, without leaks (RETRO §2.3, §2.6).
+"""Top-k neighbours of chunks from the database index, without leaks (RETRO §2.3, §2.6).
 
 Each query fetches `retrieval.candidates` nearest chunks and keeps the first k that survive:
-  - training split: no chunk of any document that appears in the query chunk's training
-    sequence (chunks [s·L, (s+1)·L), L = seq_len / chunk_len), which includes its own document;
-  - validation split: no chunk of its own document (the database holds only training documents,
-    so this never fires; nothing else is excluded).
+  - no chunk of a document whose text equals that of a document the query must not see: for a
+    training chunk, any document of its training sequence (chunks [s·L, (s+1)·L), L = seq_len /
+    chunk_len), its own included; for any other chunk, its own document. Documents are compared
+    by their normalised text's hash (data.chunking.text_hash), so an exact copy of a document,
+    in the training split or in a further corpus, is excluded like the document itself;
+  - no second copy of a neighbour already kept (the same chunk of two identical documents);
 Fewer than k survivors are padded with -1 (never wrapped to some other chunk).
 
-Layout of `<retrieval_dir>/neighbours/`:
+Layout of `<retrieval_dir>/neighbours/` (and of any other neighbours directory):
     parts/<split>/shard-NNNNN.npy   per query shard (resume unit)
-    <split>.npy                     (num_chunks, k) int64 training-split chunk ids, -1 = missing
-    manifest.json                   fingerprints of chunk store, embeddings and index; k; L; counts
+    <split>.npy                     (num_chunks, k) int64 database ids, -1 = missing
+    manifest.json                   chunk store, database, embeddings and index fingerprints; k; L; counts
 """
 
 from __future__ import annotations
@@ -22,34 +24,47 @@ from pathlib import Path
 import numpy as np
 
 from data.chunking import SPLITS
+from data.database import Database
+from data.stage import fingerprint, load_npy, open_stage, save_npy, sha256_file, write_json
 from data.store import ChunkStore
-from retrieval.embed import Embeddings
 from retrieval.index import search
-from retrieval.files import MANIFEST_VERSION, fingerprint, load_npy, open_stage, save_npy, sha256_file, write_json
+
+MANIFEST_VERSION = 2  # 2: database ids, exclusion by document text hash
+_MIX = np.uint64(0x9E3779B97F4A7C15)  # spreads chunk positions over 64 bits before the xor
 
 
-def excluded_documents(doc_index: np.ndarray, query_ids: np.ndarray, chunks_per_seq: int | None) -> np.ndarray:
-    """Documents each query may not retrieve from: (n, g) int64, padded with -1.
+def excluded_hashes(text_hashes: np.ndarray, query_ids: np.ndarray, chunks_per_seq: int | None) -> np.ndarray:
+    """Document text hashes each query may not retrieve from: (n, g) uint64, padded with 0.
 
-    chunks_per_seq=None: the query's own document only (g = 1); else every document of the
-    training sequence holding the query chunk (g = chunks_per_seq).
+    text_hashes: (c,) the query split's per-chunk document hashes. chunks_per_seq=None: the
+    query's own document only (g = 1); else every document of its training sequence (g = L).
     """
     if chunks_per_seq is None:
-        return doc_index[query_ids][:, None]
+        return text_hashes[query_ids][:, None]
     seq_chunks = (query_ids // chunks_per_seq)[:, None] * chunks_per_seq + np.arange(chunks_per_seq)  # (n, L)
-    inside = seq_chunks < len(doc_index)  # the last, partial sequence
-    return np.where(inside, doc_index[np.minimum(seq_chunks, len(doc_index) - 1)], -1)
+    inside = seq_chunks < len(text_hashes)  # the last, partial sequence
+    return np.where(inside, text_hashes[np.minimum(seq_chunks, len(text_hashes) - 1)], np.uint64(0))
 
 
-def select_neighbours(candidates: np.ndarray, db_doc_index: np.ndarray, excluded: np.ndarray, k: int) -> np.ndarray:
+def select_neighbours(candidates: np.ndarray, db_hashes: np.ndarray, db_positions: np.ndarray,
+                      excluded: np.ndarray, k: int) -> np.ndarray:
     """First k allowed candidates per row, in rank order: (n, k) int64, -1 where fewer survive.
 
-    candidates (n, C) database ids from FAISS (-1 = none); db_doc_index (N,) document of each
-    database chunk; excluded (n, g) forbidden documents per row (-1 = padding).
+    candidates (n, C) database ids from FAISS (-1 = none); db_hashes / db_positions (N,) each
+    database chunk's document text hash and index within its document; excluded (n, g) forbidden
+    document hashes per row (0 = padding).
     """
-    cand_doc = db_doc_index[np.maximum(candidates, 0)]                              # (n, C)
-    forbidden = (cand_doc[:, :, None] == excluded[:, None, :]).any(-1)            # (n, C)
-    allowed = (candidates >= 0) & ~forbidden
+    safe = np.maximum(candidates, 0)
+    cand_hash = db_hashes[safe]                                                    # (n, C)
+    present = candidates >= 0
+    forbidden = (cand_hash[:, :, None] == excluded[:, None, :]).any(-1) & present  # (n, C)
+    allowed = present & ~forbidden
+    # The same chunk of two identical documents: keep the better-ranked copy only.
+    key = cand_hash ^ (db_positions[safe].astype(np.uint64) * _MIX)
+    C = candidates.shape[1]
+    earlier = np.tril(np.ones((C, C), dtype=bool), -1)                             # [j, i]: i < j
+    repeated = ((key[:, :, None] == key[:, None, :]) & earlier & allowed[:, None, :]).any(-1)
+    allowed &= ~repeated
     # Stable sort puts allowed candidates first, keeping their rank order.
     order = np.argsort(~allowed, axis=1, kind="stable")[:, :k]
     picked = np.take_along_axis(candidates, order, 1)
@@ -60,31 +75,64 @@ def select_neighbours(candidates: np.ndarray, db_doc_index: np.ndarray, excluded
     return out
 
 
-def query_neighbours(index, emb: Embeddings, store: ChunkStore, out_dir: Path, inputs: dict, k: int,
-                     candidates: int, chunks_per_seq: int, rerank: bool = False, progress=None) -> dict:
-    """Neighbours of every chunk of every split (resumable per query shard); return the manifest."""
+def find_neighbours(index, database: Database, queries: np.ndarray, excluded: np.ndarray, k: int, fetch: int,
+                    rows=None, allowed: np.ndarray | None = None) -> np.ndarray:
+    """Search then select: (n, k) database ids, -1 = missing (see select_neighbours)."""
+    candidates = search(index, queries, min(fetch, index.ntotal), rows, allowed)      # (n, C)
+    return select_neighbours(candidates, database.text_hashes, database.positions, excluded, k)
+
+
+def documents_with_copies(store: ChunkStore, split: str, database: Database) -> int:
+    """Documents of the split whose exact text (another document than themselves) is in the database:
+    their chunks never retrieve it, and the count is reported rather than hidden."""
+    docs = store.documents
+    mine = docs.column("text_hash").to_numpy()[np.asarray(docs.column("split").to_pylist()) == split]
+    db_docs, counts = np.unique(database.document_hashes, return_counts=True)
+    if not len(db_docs):
+        return 0
+    pos = np.minimum(np.searchsorted(db_docs, mine), len(db_docs) - 1)
+    occurrences = np.where(db_docs[pos] == mine, counts[pos], 0)
+    own = 1 if split == "train" and store.fingerprint == database.parts[0].store.fingerprint else 0
+    return int((occurrences - own > 0).sum())
+
+
+def neighbour_quality(ids: np.ndarray, database: Database) -> dict:
+    """Counts for a manifest: missing ids, chunks short of k, kept neighbours without a continuation."""
+    missing = ids < 0
+    present = ~missing
+    no_continuation = present & (database.continuation[np.maximum(ids, 0)] < 0)
+    return {"num_chunks": int(len(ids)), "missing": int(missing.sum()),
+            "chunks_short_of_k": int(missing.any(1).sum()) if ids.size else 0,
+            "without_continuation": int(no_continuation.sum())}
+
+
+def query_neighbours(index, query_emb, store: ChunkStore, database: Database, out_dir: Path, inputs: dict, k: int,
+                     candidates: int, chunks_per_seq: int | None, rows=None, splits=SPLITS, progress=None,
+                     allowed: np.ndarray | None = None) -> dict:
+    """Neighbours of every chunk of the splits of `store` (resumable per query shard); return the manifest.
+
+    query_emb: the store's retrieval.embed.Embeddings. chunks_per_seq applies the training-sequence
+    rule to the "train" split (None: own document only, e.g. a held-out corpus).
+    """
     manifest = open_stage(out_dir, inputs)
     if manifest is not None:
         return {**manifest, "skipped": True}
-    db_doc = store.split("train").doc_index
-    fetch = min(candidates, index.ntotal)
-    rows = (lambda ids: emb.rows("train", ids)) if rerank else None
-    splits, begin, queried = {}, time.perf_counter(), 0
-    for split in SPLITS:
+    counts, begin, queried = {}, time.perf_counter(), 0
+    for split in splits:
         parts_dir = out_dir / "parts" / split
         parts_dir.mkdir(parents=True, exist_ok=True)
-        doc_index = store.split(split).doc_index
+        hashes = store.text_hashes(split)
         rule = chunks_per_seq if split == "train" else None
         parts = []
-        for i, (first, x) in enumerate(emb.shards(split)):
+        for i, (first, x) in enumerate(query_emb.shards(split)):
             part = parts_dir / f"shard-{i:05d}.npy"
             parts.append(part)
             if part.exists():
                 continue
-            ids = np.arange(first, first + len(x))
             if len(x):
-                cand = search(index, x, fetch, rows)                                # (n, C)
-                nbrs = select_neighbours(cand, db_doc, excluded_documents(doc_index, ids, rule), k)
+                ids = np.arange(first, first + len(x))
+                nbrs = find_neighbours(index, database, x, excluded_hashes(hashes, ids, rule), k, candidates,
+                                       rows, allowed)
             else:
                 nbrs = np.zeros((0, k), np.int64)
             save_npy(part, nbrs)
@@ -94,18 +142,22 @@ def query_neighbours(index, emb: Embeddings, store: ChunkStore, out_dir: Path, i
         final = out_dir / f"{split}.npy"
         whole = np.concatenate([load_npy(p, mmap=False) for p in parts]) if parts else np.zeros((0, k), np.int64)
         save_npy(final, whole)
-        missing = whole < 0
-        splits[split] = {"num_chunks": int(len(whole)), "missing": int(missing.sum()),
-                         "chunks_short_of_k": int(missing.any(1).sum()), "sha256": sha256_file(final)}
+        counts[split] = {**neighbour_quality(whole, database), "sha256": sha256_file(final),
+                         "documents_with_copies_in_database": documents_with_copies(store, split, database)}
     seconds = time.perf_counter() - begin
     manifest = {"version": MANIFEST_VERSION, "inputs": inputs, "k": k, "candidates": candidates,
-                "chunks_per_seq": chunks_per_seq, "database_split": "train",
-                "chunk_store_fingerprint": store.fingerprint,
-                "embeddings_fingerprint": inputs["embeddings_fingerprint"],
-                "index_fingerprint": inputs["index_fingerprint"], "splits": splits,
+                "chunks_per_seq": chunks_per_seq, "chunk_store_fingerprint": store.fingerprint,
+                "database": _relative(database.root, out_dir), "database_absolute": str(database.root.resolve()),
+                "database_fingerprint": database.fingerprint, "splits": counts,
                 "run": {"seconds": round(seconds, 2), "chunks_queried": queried,
                         "chunks_per_second": round(queried / max(seconds, 1e-9), 1)}}
-    manifest["fingerprint"] = fingerprint({"inputs": inputs, "splits": splits})
+    manifest["fingerprint"] = fingerprint({"inputs": inputs, "splits": {s: c["sha256"] for s, c in counts.items()}})
     write_json(out_dir / "manifest.json", manifest)
     shutil.rmtree(out_dir / "parts", ignore_errors=True)
     return manifest
+
+
+def _relative(path: Path, start: Path) -> str:
+    import os
+
+    return os.path.relpath(Path(path).resolve(), Path(start).resolve())

@@ -13,7 +13,8 @@ from data.prepare import prepare
 from data.store import ChunkStore
 from data.tokenizer import get_tokenizer
 from training.config import ModelConfig
-from training.evaluate import longest_common_substring, overlap_ratios, score_split, token_byte_lengths
+from training.leakage import alpha_buckets, longest_common_substring, overlap_ratios
+from training.scoring import score_split, token_byte_lengths
 from training.model import GPT2
 
 TEXTS = ["The quick brown fox jumps over the lazy dog. " * 3, "Bits per byte — naïve café ☕", "short"]
@@ -76,10 +77,12 @@ def test_longest_common_substring_and_alpha():
     chunks = np.stack([a, a + 100])
     nbrs = np.stack([np.stack([np.r_[a, a], np.r_[a[:2], [0] * 14]]),             # full copy, k=2
                      np.stack([np.r_[[0] * 8, a + 100], np.full(16, 7)])])       # copy in the continuation
-    mask = np.ones_like(nbrs, dtype=bool)
-    mask[1, 0, 8:] = False  # ...but the continuation is masked: it must not count
-    alpha = overlap_ratios(chunks, np.array([8, 8]), nbrs, mask, chunk_len=8)
+    nbrs[1, 0, 8:] = -1  # ...but the continuation is missing: it must not count
+    alpha = overlap_ratios(chunks, np.array([8, 8]), nbrs, chunk_len=8)
     assert alpha.tolist() == [1.0, 0.0]
+    buckets = dict(alpha_buckets(np.array([0.0, 0.1, 0.5, 0.9])))
+    assert buckets["α ≤ 12.5%"].tolist() == [True, True, False, False]
+    assert buckets["α ≥ 50%"].tolist() == [False, False, True, True]
 
 
 # --- the command: every report file, on a split and on a held-out corpus ---------------------------
@@ -87,7 +90,7 @@ def test_longest_common_substring_and_alpha():
 @pytest.fixture(scope="module")
 def evaluated(tmp_path_factory):
     """Untrained tiny GPT-2 and RETRO checkpoints over a real retrieval database (8-token chunks)."""
-    from retrieval.pipeline import build_retrieval
+    from retrieval.build import build_retrieval
     from tests.test_retrieval import make_store, retrieval_cfg, topic_docs
     from training import save_model
     from training.retro import Retro
@@ -116,11 +119,14 @@ def test_evaluate_writes_every_report_file(evaluated, capsys):
                  "--checkpoint", str(root / "runs" / "retro")]) == 0
     out = root / "reports"
     report = json.loads((out / "report.json").read_text())
-    assert [r["model"] for r in report["rows"]] == ["gpt2 (baseline)", "retro RETRO[ON] k=2", "retro RETRO[OFF]"]
+    assert [r["model"] for r in report["rows"]] == ["gpt2 (baseline)", "retro RETRO[ON] k=2", "retro RETRO[OFF]",
+                                                    "retro RETRO[SHUFFLED]"]
     assert all(r["bits_per_byte"] > 0 and r["tokens"] > 0 for r in report["rows"])
-    assert report["rows"][1]["bits_per_byte"] != report["rows"][2]["bits_per_byte"]  # neighbours were used
-    assert report["alpha"]["buckets"][-1]["chunks"] == len(ChunkStore(root / "data").split("validation"))
-    for name in ("report.md", "loss_curves.png", "bpb.png", "bpb_by_alpha.png"):
+    bpb = [r["bits_per_byte"] for r in report["rows"]]
+    assert bpb[1] != bpb[2] and bpb[3] != bpb[2] and bpb[3] != bpb[1]  # neighbours, and other neighbours, were used
+    everything = next(b for b in report["alpha"]["buckets"] if b["bucket"] == "α ≤ 100.0%")
+    assert everything["chunks"] == report["chunks"] == len(ChunkStore(root / "data").split("validation"))
+    for name in ("report.md", "loss_curves.png", "bpb.png", "bpb_by_alpha.png", "config.yaml"):
         assert (out / name).stat().st_size > 0, name
     assert "retro RETRO[OFF]" in (out / "report.md").read_text() and "bits/byte" in capsys.readouterr().out
 
@@ -136,10 +142,11 @@ def test_evaluate_a_held_out_corpus_against_the_training_database(evaluated, tmp
     assert main(["--config", "configs/tiny.yaml", *sets, "--corpus", str(corpus), "--out", str(out),
                  "--checkpoint", str(root / "runs" / "retro")]) == 0
     report = json.loads((out / "report.json").read_text())
-    assert report["corpus"] == str(corpus) and len(report["rows"]) == 2
-    ids = np.load(out / "neighbours.npy", allow_pickle=False)
+    assert report["corpus"] == str(corpus) and len(report["rows"]) == 3
+    (ids_file,) = (out / "neighbours").glob("*/validation.npy")
+    ids = np.load(ids_file, allow_pickle=False)
     train_chunks = len(ChunkStore(root / "data").split("train"))
-    assert ids.shape[1] == 2 and (ids >= 0).all() and (ids < train_chunks).all()  # from the training database
+    assert ids.shape[1] == 2 and (ids >= 0).all() and (ids < train_chunks).all()  # the database's k, from its training split
     # A missing corpus is a clear error, exit 2.
     assert main(["--config", "configs/tiny.yaml", *sets, "--corpus", str(tmp_path / "nope.jsonl"), "--out",
                  str(tmp_path / "r2"), "--checkpoint", str(root / "runs" / "retro")]) == 2

@@ -16,7 +16,7 @@ from data.config import DataConfig
 from data.prepare import prepare
 from data.store import ChunkStore
 from retrieval.config import RetrievalConfig
-from retrieval.pipeline import build_retrieval
+from retrieval.build import build_retrieval
 from training import save_model
 from training.config import ModelConfig
 from training.model import GPT2

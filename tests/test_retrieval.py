@@ -21,10 +21,12 @@ from data.readers import DataError
 from data.store import ChunkStore
 from retrieval.config import RetrievalConfig
 from retrieval.embed import Embeddings, cached_embedder, embed, resolve_model_path, serial_embed_runner
-from retrieval.files import RetrievalError, fingerprint, read_json, save_npy, write_json
+from data.stage import fingerprint, read_json, save_npy, write_json
+from retrieval.build import build_retrieval
+from retrieval.config import RetrievalError
+from retrieval.database import DatabaseVectors
 from retrieval.index import build_index, exact_search, load_index, make_index, sample_rows
-from retrieval.neighbours import excluded_documents, select_neighbours
-from retrieval.pipeline import build_retrieval
+from retrieval.neighbours import excluded_hashes, select_neighbours
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -108,18 +110,26 @@ def test_embeddings_are_aligned_with_chunk_shards(built):
 # --- neighbour selection -----------------------------------------------------------------
 
 def test_select_neighbours_excludes_documents_and_pads():
-    db_doc = np.array([0, 0, 1, 1, 2, 3])  # document of each database chunk
+    db_hash = np.array([10, 10, 11, 11, 12, 13], dtype=np.uint64)  # document text hash of each database chunk
+    db_pos = np.array([0, 1, 0, 1, 0, 0])
     cand = np.array([[0, 2, 4, 5], [1, 0, -1, -1], [5, 3, 2, 4]])
-    excluded = np.array([[0, -1], [0, -1], [1, 3]])
-    out = select_neighbours(cand, db_doc, excluded, k=2)
-    assert out.tolist() == [[2, 4], [-1, -1], [4, -1]]
-    assert select_neighbours(cand[:, :1], db_doc, excluded, k=3).tolist() == [[-1] * 3, [-1] * 3, [-1] * 3]
+    excluded = np.array([[10, 0], [10, 0], [11, 13]], dtype=np.uint64)
+    assert select_neighbours(cand, db_hash, db_pos, excluded, k=2).tolist() == [[2, 4], [-1, -1], [4, -1]]
+    assert select_neighbours(cand[:, :1], db_hash, db_pos, excluded, k=3).tolist() == [[-1] * 3, [-1] * 3, [-1] * 3]
 
 
-def test_excluded_documents_cover_the_whole_sequence():
-    doc_index = np.array([7, 7, 8, 9, 9, 9, 10])  # 7 chunks, sequences of 3: [0,1,2] [3,4,5] [6]
-    assert excluded_documents(doc_index, np.array([1, 4, 6]), 3).tolist() == [[7, 7, 8], [9, 9, 9], [10, -1, -1]]
-    assert excluded_documents(doc_index, np.array([1, 4]), None).tolist() == [[7], [9]]
+def test_select_neighbours_keeps_one_copy_of_identical_chunks():
+    # Chunks 0 and 2 are the first chunk of two documents with the same text: the second is dropped.
+    db_hash = np.array([7, 7, 7, 9], dtype=np.uint64)
+    db_pos = np.array([0, 1, 0, 0])
+    out = select_neighbours(np.array([[0, 2, 1, 3]]), db_hash, db_pos, np.zeros((1, 1), np.uint64), k=3)
+    assert out.tolist() == [[0, 1, 3]]
+
+
+def test_excluded_hashes_cover_the_whole_sequence():
+    hashes = np.array([7, 7, 8, 9, 9, 9, 10], dtype=np.uint64)  # 7 chunks, sequences of 3: [0,1,2] [3,4,5] [6]
+    assert excluded_hashes(hashes, np.array([1, 4, 6]), 3).tolist() == [[7, 7, 8], [9, 9, 9], [10, 0, 0]]
+    assert excluded_hashes(hashes, np.array([1, 4]), None).tolist() == [[7], [9]]
 
 
 def test_no_neighbour_from_the_same_document_or_sequence(built):
@@ -158,8 +168,8 @@ def test_fewer_allowed_chunks_than_k_are_padded_not_wrapped(tmp_path):
 
 # --- index -------------------------------------------------------------------------------
 
-def fake_embeddings(root: Path, shard_sizes: list[int], dim: int = 32, seed: int = 0) -> Embeddings:
-    """An embeddings directory of clustered unit vectors in real files (for index tests)."""
+def fake_embeddings(root: Path, shard_sizes: list[int], dim: int = 32, seed: int = 0) -> DatabaseVectors:
+    """An embeddings directory of clustered unit vectors in real files, as a one-part database (index tests)."""
     rng = np.random.default_rng(seed)
     centres = rng.standard_normal((16, dim))
     (root / "train").mkdir(parents=True)
@@ -175,7 +185,7 @@ def fake_embeddings(root: Path, shard_sizes: list[int], dim: int = 32, seed: int
                 "shard_chunks": {"train": shard_sizes, "validation": [0] * len(names)},
                 "fingerprint": fingerprint(shard_sizes)}
     write_json(root / "manifest.json", manifest)
-    return Embeddings(root, manifest)
+    return DatabaseVectors([(0, Embeddings(root, manifest))])
 
 
 @pytest.mark.parametrize("factory", ["Flat", "IVF8,Flat", "IVF8,PQ4"])
@@ -186,7 +196,7 @@ def test_sharded_merged_index_equals_single_pass(tmp_path, factory):
     single = make_index(factory, emb.dim)
     if not single.is_trained:
         single.train(sample_rows(emb, 1500, 3))
-    everything = np.concatenate([x for _, x in emb.shards("train")])
+    everything = np.concatenate([x for _, x in emb.shards()])
     if manifest["merge"] == "ivf":
         single.add_with_ids(everything, np.arange(len(everything)))
         single.nprobe = 4
@@ -206,7 +216,7 @@ def test_ivf_index_survives_moving_the_workdir(tmp_path):
     manifest = build_index(emb, tmp_path / "index", "IVF8,Flat", train_sample=0, seed=1)
     shutil.move(tmp_path / "index", tmp_path / "moved")
     index = load_index(tmp_path / "moved", manifest, emb.dim, nprobe=8, ef_search=16)
-    _, ids = index.search(emb.rows("train", np.arange(5)), 1)
+    _, ids = index.search(emb.rows(np.arange(5)), 1)
     assert ids[:, 0].tolist() == list(range(5))
 
 
@@ -265,43 +275,42 @@ def test_interrupted_stages_resume_to_identical_neighbours(built, tmp_path):
 
 # --- the reader (data/neighbours.py) -------------------------------------------------------
 
-def test_neighbour_store_tokens_and_mask(built):
+def test_neighbour_store_tokens(built):
     root, store, _ = built
-    reader = NeighbourStore(root / "retrieval", store, chunks_per_seq=SEQ_CHUNKS)
+    reader = NeighbourStore.of(root / "retrieval", store, chunks_per_seq=SEQ_CHUNKS)
     train = store.split("train")
     chunk_ids = train.sequence_chunk_ids(np.array([0, 1]), SEQ_CHUNKS)          # (b=2, l=4)
     ids = reader.neighbour_ids("train", chunk_ids)
-    tokens, mask = reader.neighbour_tokens("train", chunk_ids)
-    assert ids.shape == (2, 4, 2) and tokens.shape == mask.shape == (2, 4, 2, 2 * CHUNK_LEN)
-    assert tokens.dtype == np.int64 and mask.dtype == bool
-    assert (tokens[~mask] == store.pad_id).all()
+    tokens = reader.neighbour_tokens("train", chunk_ids)
+    assert ids.shape == (2, 4, 2) and tokens.shape == (2, 4, 2, 2 * CHUNK_LEN) and tokens.dtype == np.int64
     cont = train.continuation_ids()
     for b, l, j in np.ndindex(2, 4, 2):
         n = ids[b, l, j]
-        assert n >= 0
+        assert n >= 0  # without further corpora, database ids are training-split chunk ids
         length = train.lengths[n]
         np.testing.assert_array_equal(tokens[b, l, j, :length], train.tokens([n])[0, :length])
-        assert mask[b, l, j, :CHUNK_LEN].tolist() == [p < length for p in range(CHUNK_LEN)]
+        assert (tokens[b, l, j, length:CHUNK_LEN] == -1).all()  # padding inside the chunk
         c = cont[n]
         if c < 0:  # the neighbour ends its document: no continuation
-            assert not mask[b, l, j, CHUNK_LEN:].any()
+            assert (tokens[b, l, j, CHUNK_LEN:] == -1).all()
         else:
             np.testing.assert_array_equal(tokens[b, l, j, CHUNK_LEN:CHUNK_LEN + train.lengths[c]],
                                           train.tokens([c])[0, :train.lengths[c]])
-    one = reader.neighbour_tokens("validation", np.zeros((1, 1), np.int64), k=1)[0]
+    one = reader.neighbour_tokens("validation", np.zeros((1, 1), np.int64), k=1)
     assert one.shape == (1, 1, 1, 2 * CHUNK_LEN)
-    with pytest.raises(DataError, match="stores 2"):
+    with pytest.raises(DataError, match="holds 2 per chunk"):
         reader.neighbour_ids("train", chunk_ids, k=3)
 
 
-def test_neighbour_store_masks_missing_neighbours(tmp_path, built):
+def test_neighbour_store_marks_missing_neighbours(tmp_path, built):
     root, store, _ = built
     shutil.copytree(root / "retrieval" / "neighbours", tmp_path / "neighbours")
     arr = np.load(tmp_path / "neighbours" / "train.npy", allow_pickle=False)
     arr[0] = [5, -1]
     save_npy(tmp_path / "neighbours" / "train.npy", arr)
-    tokens, mask = NeighbourStore(tmp_path, store).neighbour_tokens("train", np.array([[0]]))
-    assert mask[0, 0, 0, 0] and not mask[0, 0, 1].any() and (tokens[0, 0, 1] == store.pad_id).all()
+    # The copy finds its database through the absolute path the manifest also records.
+    tokens = NeighbourStore(tmp_path / "neighbours", store).neighbour_tokens("train", np.array([[0]]))
+    assert tokens[0, 0, 0, 0] >= 0 and (tokens[0, 0, 1] == -1).all()
 
 
 def test_neighbour_store_refuses_stale_neighbours(tmp_path, built):
@@ -310,10 +319,13 @@ def test_neighbour_store_refuses_stale_neighbours(tmp_path, built):
     manifest = read_json(tmp_path / "neighbours" / "manifest.json")
     write_json(tmp_path / "neighbours" / "manifest.json", {**manifest, "chunk_store_fingerprint": "0ld"})
     with pytest.raises(DataError, match=f"0ld.*{store.fingerprint}.*build_index"):
-        NeighbourStore(tmp_path, store)
+        NeighbourStore(tmp_path / "neighbours", store)
+    write_json(tmp_path / "neighbours" / "manifest.json", {**manifest, "database_fingerprint": "0ld"})
+    with pytest.raises(DataError, match="stale neighbours.*database 0ld"):
+        NeighbourStore(tmp_path / "neighbours", store)
     write_json(tmp_path / "neighbours" / "manifest.json", manifest)
     with pytest.raises(DataError, match="8 chunks per sequence"):
-        NeighbourStore(tmp_path, store, chunks_per_seq=8)
+        NeighbourStore(tmp_path / "neighbours", store, chunks_per_seq=8)
     with pytest.raises(DataError, match="no neighbours"):
         NeighbourStore(tmp_path / "nowhere", store)
 
@@ -370,9 +382,51 @@ def test_untrainable_index_names_the_key(tmp_path):
 
 
 def test_an_index_the_database_cannot_train_is_refused_before_embedding(built):
-    from retrieval.pipeline import check_inputs
+    from retrieval.build import check_inputs
 
     _, store, _ = built
     with pytest.raises(RetrievalError, match="retrieval.index.*IVF1024,Flat.*needs at least 1024"):
         check_inputs(retrieval_cfg(index="IVF1024,Flat"), store, dim=384)
     check_inputs(retrieval_cfg(index="IVF4,Flat"), store, dim=384)  # enough chunks for 4 lists
+
+
+# --- a database beyond the training split -----------------------------------------------------
+
+def test_further_corpora_join_the_database_and_copies_of_evaluated_documents_stay_out(tmp_path, built):
+    from data.database import Database
+
+    ref_root, _, ref = built
+    shutil.copytree(ref_root / "data", tmp_path / "data")
+    shutil.copytree(ref_root / "retrieval", tmp_path / "retrieval")
+    store = ChunkStore(tmp_path / "data")
+    val_docs = store.documents.filter(np.asarray(store.documents.column("split").to_pylist()) == "validation")
+    val_hash = val_docs.column("text_hash").to_numpy()
+    # The extra corpus: an exact copy of every validation document (a leak, never to be served) and
+    # near-copies of them (one word changed: allowed, and the nearest neighbours there are).
+    val_texts = [TOPICS[i % len(TOPICS)] for i in range(3)]
+    extra = tmp_path / "extra.jsonl"
+    extra.write_text("".join(json.dumps({"id": f"copy{i}", "text": t}) + "\n" for i, t in enumerate(val_texts))
+                     + "".join(json.dumps({"id": f"near{i}", "text": t.replace(" the ", " a ").replace(" in ", " on ")})
+                               + "\n" for i, t in enumerate(val_texts)))
+    from data.config import DataConfig as DC
+    result = build_retrieval(retrieval_cfg(corpora=[str(extra)]), store, tmp_path / "retrieval", SEQ_CHUNKS,
+                             data_cfg=DC(chunk_len=CHUNK_LEN))
+    assert result["embeddings"].get("skipped")  # the training data's embeddings were reused
+    assert not result["index"].get("skipped")   # the index covers the new part
+    db = Database(tmp_path / "retrieval")
+    n0 = len(store.split("train"))
+    assert [p.name for p in db.parts][0] == "train" and db.parts[1].offset == n0 and len(db) > n0
+    nbrs = np.load(tmp_path / "retrieval" / "neighbours" / "validation.npy", allow_pickle=False)
+    val = store.split("validation")
+    for u in range(len(val)):
+        own = store.text_hashes("validation")[u]
+        for n in nbrs[u]:
+            assert n < 0 or db.text_hashes[n] != own  # never the copy of its own document
+    assert (nbrs >= n0).any()  # the near-copies in the new part are found
+    manifest = read_json(tmp_path / "retrieval" / "neighbours" / "manifest.json")
+    copies = np.isin(val_hash, db.document_hashes)
+    assert manifest["splits"]["validation"]["documents_with_copies_in_database"] == copies.sum() > 0
+    # Tokens of a database id in part 1 are that part's chunk (+ continuation).
+    tokens = db.neighbour_tokens(np.array([n0]))
+    part = db.parts[1].split
+    np.testing.assert_array_equal(tokens[0, :part.lengths[0]], part.tokens([0])[0, :part.lengths[0]])

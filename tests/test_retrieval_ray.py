@@ -139,7 +139,7 @@ def test_ray_job_submit_to_a_local_head(built, tmp_path, ray_head):
                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
     assert "retrieval database in" in job.stdout and "recall@2" in job.stdout
-    reader = NeighbourStore(tmp_path / "retrieval", ChunkStore(tmp_path / "data"), chunks_per_seq=SEQ_CHUNKS)
+    reader = NeighbourStore.of(tmp_path / "retrieval", ChunkStore(tmp_path / "data"), chunks_per_seq=SEQ_CHUNKS)
     for split in ("train", "validation"):
         ours, theirs = reader.ids(split), neighbours_of(ref_root)[split]
         assert ours.shape == theirs.shape and (ours == theirs).mean() > 0.9  # same up to float ties

@@ -52,8 +52,7 @@ class SequenceBatches:
         labels[~label_real] = IGNORE_INDEX
         out = {"tokens": tokens, "labels": labels}
         if self.neighbours is not None:
-            nbr, mask = self.neighbours.neighbour_tokens(self.split_name, ids, k=self.k)  # (b, l, k, r)
-            out["neighbours"] = np.where(mask, nbr, -1).astype(np.int64)
+            out["neighbours"] = self.neighbours.neighbour_tokens(self.split_name, ids, k=self.k)  # (b, l, k, r)
         return out
 
 

@@ -1,152 +1,120 @@
-"""Bits per byte with a sliding window, per chunk, and the leakage analysis of RETRO §2.6 / §4.4.
+"""The evaluation rules: which rows a report holds, what each feeds the model, leakage, the database curve.
 
-The evaluated split is read as one stream of chunks (documents in order, each chunk padded to
-chunk_len). A window of L = window / chunk_len chunks slides by S = stride / chunk_len chunks;
-each window scores only the targets in its last S chunks (the first window scores all), so
-every real token after the first is predicted exactly once, with at least window − stride
-tokens of context. Padding is never a target. Bits per byte = Σ NLL / ln 2 / Σ UTF-8 bytes of
-the scored tokens (tiktoken's BPE is lossless on bytes, so Σ bytes is the text's byte length).
+    report = evaluate_models([("gpt2", gpt2), ("retro", retro)], chunks, byte_lengths, cfg.eval, neighbours)
 
-Leakage: the tokens of chunk u are predicted with the neighbours of chunk u − 1 (the causal
-shift), so α(u) = longest common token substring of chunk u and those neighbours (neighbour
-and continuation) ÷ chunk_len. Results are kept per chunk, so any α bucket can be reported.
+Rows, per model (bits per byte on the same chunks, training/scoring.py):
+    GPT-2:  "<label> (baseline)"          no neighbours
+    RETRO:  "<label> RETRO[ON] k=K"       each chunk's own neighbours, K = eval.neighbours
+            "<label> RETRO[OFF]"          none: every CCA adds an exact zero, the trunk alone
+            "<label> RETRO[SHUFFLED]"     each chunk gets the K neighbours of a chunk of another
+                                          document (a fixed seeded permutation): same count and shape,
+                                          unrelated content. ON below SHUFFLED is use of the neighbours'
+                                          content; SHUFFLED below OFF is a content-free offset.
+            "<label> RETRO[ON] k=K2"      K2 = eval.more_neighbours, when larger than K
+Leakage: α per chunk against the neighbours it is predicted with (training/leakage.py), and every
+row's bits per byte per α bucket. The database-size curve: RETRO[ON] of each RETRO model against
+growing databases (`curve`: one neighbour source per database size).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 
-ALPHA_BUCKETS = (0.0, 0.125, 0.25, 0.5, 0.75, 1.0)  # α ≤ 12.5% = at most 8 shared tokens of 64
+from training.leakage import alpha_buckets, leakage
+from training.scoring import ChunkScores, score_split
+
+SHUFFLE_SEED = 0
+
+
+def shuffled_order(doc_index: np.ndarray, seed: int = SHUFFLE_SEED) -> np.ndarray:
+    """A permutation p of the chunks with doc_index[p[u]] != doc_index[u] wherever possible (seeded)."""
+    n = len(doc_index)
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(n)
+    for _ in range(8):  # re-draw the few that landed in their own document
+        clash = np.flatnonzero(doc_index[order] == doc_index)
+        if not len(clash) or n < 2:
+            break
+        swap = rng.integers(0, n, len(clash))
+        order[clash], order[swap] = order[swap], order[clash]
+    return order
+
+
+class ShuffledNeighbours:
+    """RETRO[SHUFFLED]: chunk u is given the neighbours of chunk order[u] (another document's)."""
+
+    def __init__(self, neighbours, order: np.ndarray):
+        self.neighbours, self.order = neighbours, order
+
+    def neighbour_tokens(self, split: str, chunk_ids: np.ndarray, k: int | None = None) -> np.ndarray:
+        return self.neighbours.neighbour_tokens(split, self.order[np.asarray(chunk_ids)], k)
 
 
 @dataclass
-class ChunkScores:
-    """Per evaluated chunk: summed NLL (nats) of its real tokens as targets, their count and bytes."""
-
-    nll: np.ndarray      # (c,) float64
-    tokens: np.ndarray   # (c,) int64
-    bytes: np.ndarray    # (c,) int64
-
-    def bits_per_byte(self, select: np.ndarray | None = None) -> float:
-        sel = slice(None) if select is None else select
-        return float(self.nll[sel].sum() / math.log(2) / max(self.bytes[sel].sum(), 1))
-
-    def perplexity(self, select: np.ndarray | None = None) -> float:
-        sel = slice(None) if select is None else select
-        return float(math.exp(self.nll[sel].sum() / max(self.tokens[sel].sum(), 1)))
+class Row:
+    name: str
+    model: object
+    neighbours: object   # None, or a source of neighbour_tokens
+    k: int
 
 
-def token_byte_lengths(encoding) -> np.ndarray:
-    """UTF-8 byte length of every token id (special tokens count 0 bytes)."""
-    lengths = np.zeros(encoding.n_vocab, dtype=np.int64)
-    for t in range(encoding.n_vocab):
-        try:
-            lengths[t] = len(encoding.decode_single_token_bytes(t))
-        except KeyError:
-            lengths[t] = 0
-    lengths[encoding.eot_token] = 0
-    return lengths
+def report_rows(models: list[tuple[str, object]], eval_cfg, neighbours, doc_index: np.ndarray) -> list[Row]:
+    """The rows the rules above give for these models (neighbours: the split's NeighbourStore)."""
+    k, more = eval_cfg.neighbours, eval_cfg.more_neighbours
+    rows = []
+    for label, model in models:
+        if model.cfg.kind == "gpt2":
+            rows.append(Row(f"{label} (baseline)", model, None, 0))
+            continue
+        if neighbours is None:
+            raise ValueError(f"{label} is a RETRO model: evaluating it needs neighbours")
+        rows += [Row(f"{label} RETRO[ON] k={k}", model, neighbours, k),
+                 Row(f"{label} RETRO[OFF]", model, None, 0),
+                 Row(f"{label} RETRO[SHUFFLED]", model, ShuffledNeighbours(neighbours, shuffled_order(doc_index)), k)]
+        if more > k:
+            rows.append(Row(f"{label} RETRO[ON] k={more}", model, neighbours, more))
+    return rows
 
 
-def longest_common_substring(a: np.ndarray, b: np.ndarray) -> int:
-    """Length of the longest run of tokens that a and b share (dynamic programming, O(|a|·|b|))."""
-    if len(a) == 0 or len(b) == 0:
-        return 0
-    eq = a[:, None] == b[None, :]
-    prev = np.zeros(len(b) + 1, dtype=np.int64)
-    best = 0
-    for i in range(len(a)):
-        cur = np.zeros(len(b) + 1, dtype=np.int64)
-        cur[1:] = np.where(eq[i], prev[:-1] + 1, 0)
-        best = max(best, int(cur.max()))
-        prev = cur
-    return best
+def evaluate_models(models: list[tuple[str, object]], chunks, byte_lengths: np.ndarray, eval_cfg, neighbours=None,
+                    curve: list[tuple[str, int, object]] | None = None, progress=None, device: str = "cpu") -> dict:
+    """Score every row on `chunks` (data.store.SplitChunks); the report as a JSON-able dict.
 
-
-def overlap_ratios(chunks, lengths: np.ndarray, neighbour_tokens: np.ndarray, neighbour_mask: np.ndarray,
-                   chunk_len: int) -> np.ndarray:
-    """α per chunk: (c,) from chunk tokens (c, m), and neighbours of the *previous* chunk (c, k, r).
-
-    neighbour_tokens[u] must already be the neighbours that chunk u is predicted with.
+    curve: [(label, database tokens, neighbour source)] for the database-size curve (RETRO only).
     """
-    alpha = np.zeros(len(chunks))
-    for u in range(len(chunks)):
-        own = chunks[u][: lengths[u]]
-        best = 0
-        for toks, mask in zip(neighbour_tokens[u], neighbour_mask[u]):
-            best = max(best, longest_common_substring(own, toks[mask]))
-        alpha[u] = best / chunk_len
-    return alpha
+    e = eval_cfg
+    count = min(len(chunks), e.max_chunks or len(chunks))
+    scores: dict[str, ChunkScores] = {}
 
+    def score(name, model, source, k):
+        bar = progress(name) if progress else None
+        scores[name] = score_split(model, chunks, byte_lengths, e.window, e.stride, source, k, e.batch_size,
+                                   device=device, progress=bar, max_chunks=e.max_chunks)
+        return scores[name]
 
-@torch.no_grad()
-def score_split(model, chunks, byte_lengths: np.ndarray, window: int, stride: int, neighbours=None,
-                k: int = 0, batch_size: int = 4, device: str = "cpu", progress=None,
-                max_chunks: int = 0) -> ChunkScores:
-    """Sliding-window scores of every chunk of a split (`chunks`: data.store.SplitChunks).
-
-    `neighbours`: a data.neighbours.NeighbourStore for RETRO (None = the baseline, or RETRO[OFF]
-    when the model is RETRO). `k` neighbours per chunk (0 = all stored).
-    """
-    m = chunks.chunk_len
-    if window % m or stride % m or stride > window:
-        raise ValueError(f"window ({window}) and stride ({stride}) must be multiples of chunk_len ({m}), "
-                         f"stride <= window")
-    L, S, c = window // m, stride // m, min(len(chunks), max_chunks or len(chunks))
-    starts = [0] + list(range(S, max(c - L, 0) + S, S)) if c > L else [0]
-    starts = sorted({min(s, max(c - L, 0)) for s in starts})
-    nll = np.zeros(c)
-    count = np.zeros(c, dtype=np.int64)
-    scored_from = {}  # window start → first chunk whose targets this window scores
-    prev_end = 0
-    for s in starts:
-        scored_from[s] = prev_end
-        prev_end = min(s + L, c)
-    retro = getattr(model, "cfg", None) is not None and model.cfg.kind == "retro"
-    batches = [starts[i:i + batch_size] for i in range(0, len(starts), batch_size)]
-    for group in (progress(batches) if progress else batches):
-        ids = np.stack([np.arange(s, s + L) for s in group])  # (b, L); windows never run past the end
-        ids = np.minimum(ids, c - 1)
-        b = len(group)
-        tokens = chunks.tokens(ids.reshape(-1)).reshape(b, L * m).astype(np.int64)
-        real = (np.arange(m)[None, None] < chunks.lengths[ids][..., None]).reshape(b, L * m)
-        x = torch.from_numpy(tokens).to(device)
-        if retro:
-            if neighbours is not None:
-                nb, mask = neighbours.neighbour_tokens(chunks.split, ids, k=k)
-                nbr = torch.from_numpy(np.where(mask, nb, -1).astype(np.int64)).to(device)
-            else:
-                nbr = None  # RETRO[OFF]
-            logits = model(x, nbr)
-        else:
-            logits = model(x)
-        target_nll = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), x[:, 1:].flatten(),
-                                     reduction="none").view(b, -1).cpu().numpy()  # (b, n - 1)
-        # Target position p (1..n-1) of window row i lies in chunk ids[i, p // m]; keep it if it is
-        # real, inside the split and in this window's scored range (and not a clamped repeat).
-        pos = np.arange(1, L * m)
-        target_chunk = ids[:, pos // m]                                             # (b, n - 1)
-        unclamped = (np.array(group)[:, None] + pos[None] // m) == target_chunk
-        first_scored = np.array([scored_from[s] for s in group])[:, None]
-        keep = real[:, 1:] & unclamped & (target_chunk >= first_scored)
-        np.add.at(nll, target_chunk[keep], target_nll[keep])
-        np.add.at(count, target_chunk[keep], 1)
-    lengths = chunks.lengths
-    all_tokens = chunks.tokens(np.arange(c))
-    nbytes = np.array([byte_lengths[all_tokens[u, :lengths[u]]].sum() for u in range(c)], dtype=np.int64)
-    # The very first token of the split is never a target: drop its bytes from the denominator.
-    nbytes[0] -= byte_lengths[all_tokens[0, 0]]
-    return ChunkScores(nll, count, nbytes)
-
-
-def alpha_buckets(alpha: np.ndarray) -> list[tuple[str, np.ndarray]]:
-    """(label, selection) per α bucket, cumulative from 0: α ≤ 0, ≤ 12.5%, ≤ 25%, …"""
-    out = []
-    for hi in ALPHA_BUCKETS:
-        out.append((f"α ≤ {hi:.1%}", alpha <= hi + 1e-9))
-    return out
+    rows = []
+    for row in report_rows(models, e, neighbours, chunks.doc_index):
+        s = score(row.name, row.model, row.neighbours, row.k)
+        rows.append({"model": row.name, "bits_per_byte": s.bits_per_byte(), "perplexity": s.perplexity(),
+                     "tokens": int(s.tokens.sum()), "bytes": int(s.bytes.sum())})
+    report = {"window": e.window, "stride": e.stride, "chunks": count, "rows": rows, "alpha": None,
+              "database_curve": None}
+    if neighbours is not None:
+        alpha = leakage(chunks, neighbours, e.neighbours, count)
+        buckets = [{"bucket": label, "chunks": int(sel.sum()),
+                    **{name: (s.bits_per_byte(sel) if sel.any() else None) for name, s in scores.items()}}
+                   for label, sel in alpha_buckets(alpha)]
+        report["alpha"] = {"buckets": buckets, "mean": float(alpha.mean()) if count else 0.0}
+    retro = [(label, model) for label, model in models if model.cfg.kind == "retro"]
+    if curve and retro:
+        points = []
+        for size_label, tokens, source in curve:
+            point = {"database": size_label, "tokens": int(tokens)}
+            for label, model in retro:
+                point[label] = score(f"{label} RETRO[ON] k={e.neighbours} ({size_label})", model, source,
+                                     e.neighbours).bits_per_byte()
+            points.append(point)
+        report["database_curve"] = {"models": [label for label, _ in retro], "points": points}
+    return report

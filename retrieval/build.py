@@ -1,0 +1,158 @@
+"""The retrieval database end to end: parts → embed → index → recall → neighbours of the training data.
+
+    result = build_retrieval(cfg.retrieval, store, cfg.retrieval_dir, chunks_per_seq=L, data_cfg=cfg.data)
+
+Each stage is skipped when its manifest exists with the same inputs (the fingerprints of what
+it reads), resumes from its finished shards after a crash, and is rebuilt when an input
+changed. Engines come in as arguments (an embed runner, a task executor), so the whole build
+runs in-process in tests and on Ray from launch/build_index.py.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from data.config import DataConfig
+from data.database import Database
+from data.stage import Executor, output_settings, serial_executor, write_json
+from data.store import ChunkStore
+from retrieval.config import RetrievalConfig, RetrievalError
+from retrieval.database import DatabaseVectors, prepare_corpora, write_database
+from retrieval.embed import EmbedRunner, Embeddings, embed_store, model_identity, resolve_model_path, \
+    serial_embed_runner
+from retrieval.index import build_index, load_index, make_index, recall_check
+from retrieval.neighbours import MANIFEST_VERSION, query_neighbours
+
+
+def check_inputs(cfg: RetrievalConfig, store: ChunkStore, dim: int | None = None, database_chunks: int | None = None) -> None:
+    """Fail before any work on settings that cannot succeed, naming the key."""
+    chunks = database_chunks if database_chunks is not None else len(store.split("train"))
+    if cfg.k > chunks:
+        raise RetrievalError(f"config key 'retrieval.k': {cfg.k} neighbours per chunk, but the database (the "
+                             f"training split of {store.root} and retrieval.corpora) holds only {chunks} chunks")
+    if dim is not None:
+        import faiss
+
+        index = make_index(cfg.index, dim)
+        # Training needs at least one vector per IVF list and per PQ centroid: say so now, not
+        # after hours of embedding.
+        sample = chunks if cfg.train_sample == 0 else min(cfg.train_sample, chunks)
+        ivf = faiss.try_extract_index_ivf(index)
+        pq = re.search(r"PQ(\d+)(?:x(\d+))?", cfg.index)
+        needs = max(ivf.nlist if ivf is not None else 0, 2 ** int(pq.group(2) or 8) if pq else 0)
+        if not index.is_trained and sample < needs:
+            raise RetrievalError(f"config key 'retrieval.index': {cfg.index!r} needs at least {needs} training "
+                                 f"vectors, but retrieval.train_sample and the database ({chunks} chunks) give "
+                                 f"{sample}; use fewer lists, or 'Flat' for a small database")
+
+
+def _expected_dim(cfg: RetrievalConfig, emb_dir: Path) -> int:
+    """The embedding width, before embedding: so a bad retrieval.index fails in seconds, not hours."""
+    from data.stage import read_json
+    from retrieval.embed import cached_embedder, embedding_dim
+
+    manifest = read_json(emb_dir / "manifest.json")
+    if manifest is not None and manifest.get("dim"):
+        return int(manifest["dim"])
+    return embedding_dim(cached_embedder(str(resolve_model_path(cfg.embedder))))
+
+
+def _bar(desc: str, total: int, enabled: bool):
+    from tqdm import tqdm
+
+    bar = tqdm(desc=desc, total=total, unit=" chunks", disable=not enabled, dynamic_ncols=True)
+    return bar, bar.update
+
+
+def neighbour_inputs(cfg: RetrievalConfig, database: Database, query_store: ChunkStore, index_manifest: dict,
+                     chunks_per_seq: int | None, **extra) -> dict:
+    """What a neighbours directory is computed from: a change in any of it recomputes the neighbours."""
+    search = {k: v for k, v in output_settings(cfg).items() if k in ("k", "candidates", "nprobe", "ef_search")}
+    return {"version": MANIFEST_VERSION, "chunk_store_fingerprint": query_store.fingerprint,
+            "database_fingerprint": database.fingerprint, "index_fingerprint": index_manifest["fingerprint"],
+            "chunks_per_seq": chunks_per_seq, "rerank": reranks(cfg, index_manifest), **search, **extra}
+
+
+def reranks(cfg: RetrievalConfig, index_manifest: dict) -> bool:
+    """Whether candidates are re-ranked by exact distance: asked for, and the index is not exact already."""
+    return cfg.rerank and index_manifest["factory"] != "Flat"
+
+
+def build_retrieval(cfg: RetrievalConfig, store: ChunkStore, out_dir: str | Path, chunks_per_seq: int,
+                    data_cfg: DataConfig | None = None, embed_runner: EmbedRunner = serial_embed_runner,
+                    executor: Executor = serial_executor, workers: int = 2, progress: bool = False) -> dict:
+    """Build (or finish, or skip) every stage into out_dir; return {stage: manifest}."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    check_inputs(cfg, store, _expected_dim(cfg, out / "embeddings"))
+    parts = prepare_corpora(cfg.corpora, data_cfg or DataConfig(), store, out, executor, progress)
+    check_inputs(cfg, store, database_chunks=sum(len(p.store.split("train")) for p in parts))
+
+    embedded = []
+    for part in parts:
+        splits = ("train", "validation") if part.name == "train" else ("train",)
+        total = sum(len(part.store.split(s)) for s in splits)
+        bar, update = _bar(f"embed {part.name}", total, progress)
+        with bar:
+            manifest = embed_store(part.store, part.embeddings_dir, cfg.embedder, cfg.embed_batch_size,
+                                   embed_runner, progress=update)
+        embedded.append(manifest)
+    emb_manifest = embedded[0]
+    query_emb = Embeddings(parts[0].embeddings_dir, emb_manifest)
+    offsets, vectors_parts = 0, []
+    for part, manifest in zip(parts, embedded):
+        vectors_parts.append((offsets, Embeddings(part.embeddings_dir, manifest)))
+        offsets += len(part.store.split("train"))
+    vectors = DatabaseVectors(vectors_parts)
+    write_database(out, parts, model_identity(resolve_model_path(cfg.embedder), cfg.embedder))
+    database = Database(out)
+
+    index_manifest = build_index(vectors, out / "index", cfg.index, cfg.train_sample, cfg.seed, executor, workers)
+    index = load_index(out / "index", index_manifest, vectors.dim, cfg.nprobe, cfg.ef_search)
+    rerank = reranks(cfg, index_manifest)
+    search = {"nprobe": cfg.nprobe, "ef_search": cfg.ef_search, "k": cfg.k, "queries": cfg.recall_queries,
+              "seed": cfg.seed, "candidates": cfg.candidates, "rerank": rerank}
+    if index_manifest.get("recall", {}).get("search") != search:  # recall depends on search settings too
+        index_manifest["recall"] = {**recall_check(index, vectors, query_emb, cfg.k, cfg.recall_queries, cfg.seed,
+                                                   cfg.candidates, rerank), "search": search}
+        write_json(out / "index" / "manifest.json", {k: v for k, v in index_manifest.items() if k != "skipped"})
+
+    inputs = neighbour_inputs(cfg, database, store, index_manifest, chunks_per_seq, query_embeddings=query_emb.fingerprint)
+    total = len(store.split("train")) + len(store.split("validation"))
+    bar, update = _bar("neighbours", total, progress)
+    with bar:
+        nbr_manifest = query_neighbours(index, query_emb, store, database, out / "neighbours", inputs, cfg.k,
+                                        cfg.candidates, chunks_per_seq, vectors.rows if rerank else None,
+                                        progress=update)
+    return {"embeddings": emb_manifest, "parts": embedded, "database": database.manifest, "index": index_manifest,
+            "neighbours": nbr_manifest}
+
+
+def summary(result: dict) -> str:
+    """A one-screen summary: what ran, how fast, the database's parts, recall, neighbour quality."""
+    emb, idx, nbr, db = result["embeddings"], result["index"], result["neighbours"], result["database"]
+    done = lambda m: "skipped (complete)" if m.get("skipped") else "built"  # noqa: E731
+    lines = [f"embeddings  {done(emb)}: {emb['model']} dim {emb['dim']} "
+             f"({sum(emb['shard_chunks']['train'])} train + {sum(emb['shard_chunks']['validation'])} validation chunks)"]
+    if not emb.get("skipped") and emb.get("run"):
+        lines[-1] += f"; {emb['run']['chunks_per_second']:.1f} chunks/s"
+    lines.append(f"database    {len(db['parts'])} part(s), {db['chunks']:,} chunks, {db['tokens']:,} tokens: "
+                 + ", ".join(f"{p['name']} ({p['chunks']:,} chunks)" for p in db["parts"]))
+    lines.append(f"index       {done(idx)}: {idx['factory']!r} ({idx['merge']} merge), {idx['ntotal']} vectors")
+    recall = idx.get("recall", {})
+    if recall.get("recall") is not None:
+        lines.append(f"recall@{recall['k']} vs exact search: {recall['recall']:.4f} "
+                     f"on {recall['queries']} {recall['query_split']} queries "
+                     f"(nprobe {recall['search']['nprobe']}, efSearch {recall['search']['ef_search']}, "
+                     f"{'re-ranked ' if recall['search']['rerank'] else ''}{recall['search']['candidates']} candidates)")
+    lines.append(f"neighbours  {done(nbr)}: k={nbr['k']} from {nbr['candidates']} candidates, "
+                 f"sequence exclusion over {nbr['chunks_per_seq']} chunks")
+    if not nbr.get("skipped"):
+        lines[-1] += f"; {nbr['run']['chunks_per_second']:,.0f} chunks/s"
+    for split, s in nbr["splits"].items():
+        lines.append(f"  {split:<11} {s['num_chunks']:>9,} chunks, {s['missing']:,} missing neighbours "
+                     f"({s['chunks_short_of_k']:,} chunks with fewer than k), {s['without_continuation']:,} "
+                     f"without a continuation (document end); {s['documents_with_copies_in_database']:,} "
+                     f"documents have an exact copy in the database (never retrieved)")
+    return "\n".join(lines)
