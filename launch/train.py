@@ -63,7 +63,7 @@ def preflight(cfg, world_size: int):
     neighbours = None
     if cfg.model.kind == "retro":
         from data.neighbours import NeighbourStore
-        neighbours = NeighbourStore(cfg.retrieval_dir, store, chunks_per_seq=t.seq_len // store.chunk_len)
+        neighbours = NeighbourStore.of(cfg.retrieval_dir, store, chunks_per_seq=t.seq_len // store.chunk_len)
     return store, neighbours
 
 
@@ -96,11 +96,16 @@ def main(argv: list[str] | None = None) -> int:
     import logging
 
     ds_logger.setLevel(logging.WARNING)
-    from training.pipeline import gather_state_dict, tied_weights_max_diff  # also disables the shm op build
+    from training.pipeline import gather_state_dict  # also disables the shm op build
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-    from training.engine import Trainer, atomic_write_text
+    from training.engine import Trainer, atomic_write_text, check_tied_weights
 
-    trainer = Trainer(cfg, store, neighbours, run_dir)
+    try:
+        trainer = Trainer(cfg, store, neighbours, run_dir)
+    except TrainingError as e:
+        if rank == 0:
+            print(f"train: error: {e}", file=sys.stderr)
+        return 2
     if rank == 0:
         layers = [[d.name for d in trainer.descs[a:b]] for a, b in zip(trainer.parts, trainer.parts[1:])]
         costs = [round(sum(d.cost for d in trainer.descs[a:b]), 3) for a, b in zip(trainer.parts, trainer.parts[1:])]
@@ -112,8 +117,13 @@ def main(argv: list[str] | None = None) -> int:
         for s, names in enumerate(layers):
             print(f"  stage {s}: {', '.join(names)}")
     result = trainer.fit()
+    try:
+        check_tied_weights(trainer.engine, "at the end of training")
+    except TrainingError as e:
+        if rank == 0:
+            print(f"train: error: {e}; the run is not marked complete", file=sys.stderr)
+        return 1
     state = gather_state_dict(trainer.engine, trainer.descs)
-    tied_diff = tied_weights_max_diff(trainer.engine)
     if rank == 0:
         from training.model_io import build_model, save_model
 
@@ -122,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         save_model(model, run_dir / "model")
         summary = {"complete": True, "steps": cfg.train.steps, "resumed_from": result["start_step"],
                    "final_loss": result["losses"].get(cfg.train.steps), "val_loss": result["val_loss"],
-                   "tied_embedding_max_diff": tied_diff, "partition": trainer.parts,
+                   "tied_embedding_max_diff": 0.0, "partition": trainer.parts,
                    "model_dir": str(run_dir / "model")}
         atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=1))
         print(f"train: done; model in {run_dir / 'model'}; final loss {summary['final_loss']:.4f}"

@@ -88,3 +88,34 @@ def test_save_and_load_model_round_trip(tmp_path):
     save_model(model, tmp_path / "m")  # replacing an existing directory works
     with pytest.raises(ModelFormatError, match="config.json"):
         load_model(tmp_path)
+
+
+def test_fused_head_gives_the_plain_loss_and_gradients():
+    """training/lm_head.py: the head + cross-entropy over slices of tokens equals logits-then-loss."""
+    from training.layers import build_sequential
+    from training.lm_head import lm_loss, token_nll
+    from training.model import fused_loss_fn
+
+    torch.manual_seed(0)
+    cfg = tiny()
+    plain, fused = build_sequential(cfg), build_sequential(cfg, fused_head=True)
+    fused.load_state_dict(plain.state_dict())
+    tokens = torch.randint(0, 101, (3, 16))
+    labels = torch.randint(0, 101, (3, 16))
+    labels[0, :7] = -100  # padding is no target
+    loss_p = loss_fn(plain(tokens), labels)
+    loss_f = fused_loss_fn(fused(tokens), labels)
+    torch.testing.assert_close(loss_f, loss_p, rtol=1e-6, atol=1e-6)
+    loss_p.backward()
+    loss_f.backward()
+    grads_p, grads_f = dict(plain.named_parameters()), dict(fused.named_parameters())
+    for name, p in grads_p.items():
+        torch.testing.assert_close(grads_f[name].grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
+    # Slices that do not divide the tokens, a frozen head (no weight gradient), no target at all.
+    h = torch.randn(2, 9, 32, requires_grad=True)
+    w = torch.randn(101, 32)
+    y = torch.randint(0, 101, (2, 9))
+    torch.testing.assert_close(lm_loss(h, w, y, slice_tokens=4), loss_fn(h @ w.t(), y))
+    assert lm_loss(h, w, torch.full_like(y, -100)).item() == 0.0
+    nll = token_nll(h, w, y, slice_tokens=5)
+    torch.testing.assert_close(nll, torch.nn.functional.cross_entropy((h @ w.t()).transpose(1, 2), y, reduction="none"))

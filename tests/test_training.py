@@ -68,8 +68,11 @@ def test_baseline_trains_on_two_pipeline_stages(reference_run):
 
 
 def test_two_stages_equal_one_stage(workdir, reference_run):
+    # The 1-stage run also takes the plain output head (all logits, then the loss): the fused,
+    # sliced head of the reference run must train exactly the same.
     code, log = train(1, ["--config", "configs/tiny-gpt2.yaml",
-                          *sets(f"workdir={workdir}", "train.name=one", "train.pipeline_stages=1")],
+                          *sets(f"workdir={workdir}", "train.name=one", "train.pipeline_stages=1",
+                                "train.fused_head=false")],
                       workdir / "logs-one")
     assert code == 0, log[-3000:]
     one, two = losses(workdir / "runs" / "one"), losses(reference_run[0])
@@ -133,7 +136,7 @@ def test_misconfigurations_are_refused_before_any_work(workdir):
 def retro_workdir(tmp_path_factory):
     """A smaller corpus with its retrieval database (real BERT embeddings, FAISS Flat)."""
     from data.store import ChunkStore
-    from retrieval.pipeline import build_retrieval
+    from retrieval.build import build_retrieval
 
     wd = tmp_path_factory.mktemp("retro")
     cfg = load_config(ROOT / "configs" / "tiny-retro.yaml", [f"workdir={wd}", *TINY, "data.max_documents=100"])
@@ -172,7 +175,8 @@ def test_retro_trains_on_two_stages_and_equals_one_stage(retro_workdir):
 
 
 def test_retrofit_trains_only_cca_and_encoder_on_two_stages(retro_workdir):
-    """RETRO-fit from a GPT-2 checkpoint: the trunk is frozen, each stage owns a CCA layer."""
+    """RETRO-fit from a GPT-2 checkpoint: the trunk is frozen, each stage owns a CCA layer, and the
+    last stage's output head starts as the checkpoint's embedding (2 stages == 1 stage from step 1)."""
     from training import load_model, save_model
     from training.config import ModelConfig
     from training.model import GPT2
@@ -182,10 +186,10 @@ def test_retrofit_trains_only_cca_and_encoder_on_two_stages(retro_workdir):
     torch.manual_seed(0)
     gpt2 = GPT2(ModelConfig(kind="gpt2", **shape))
     save_model(gpt2, retro_workdir / "gpt2")
-    code, log = train(2, ["--config", "configs/tiny-retro.yaml",
-                          *sets(f"workdir={retro_workdir}", "train.name=fit", "model.n_layer=4",
-                                f"train.init_from={retro_workdir / 'gpt2'}", "model.freeze_trunk=true")],
-                      retro_workdir / "logs-fit")
+    fit = ["--config", "configs/tiny-retro.yaml", *sets(f"workdir={retro_workdir}", "model.n_layer=4",
+                                                           f"train.init_from={retro_workdir / 'gpt2'}",
+                                                           "model.freeze_trunk=true")]
+    code, log = train(2, [*fit, "--set", "train.name=fit"], retro_workdir / "logs-fit")
     assert code == 0, log[-3000:]
     fitted = load_model(retro_workdir / "runs" / "fit" / "model").state_dict()
     trunk = gpt2.state_dict()
@@ -193,8 +197,18 @@ def test_retrofit_trains_only_cca_and_encoder_on_two_stages(retro_workdir):
     assert retro_params and all(name not in trunk for name in retro_params)
     for name, value in trunk.items():
         assert torch.equal(fitted[name], value), name  # bit for bit: the trunk never moved
-    curve = losses(retro_workdir / "runs" / "fit")
-    assert curve[8] < curve[1], curve  # CCA and encoder did learn
+    two = losses(retro_workdir / "runs" / "fit")
+    assert two[8] < two[1], two  # CCA and encoder did learn
+    summary = json.loads((retro_workdir / "runs" / "fit" / "summary.json").read_text())
+    assert summary["tied_embedding_max_diff"] == 0.0
+
+    code, log = train(1, [*fit, "--set", "train.name=fit1", "--set", "train.pipeline_stages=1"],
+                      retro_workdir / "logs-fit1")
+    assert code == 0, log[-3000:]
+    one = losses(retro_workdir / "runs" / "fit1")
+    # A random head on the last stage would start near ln(50257) = 10.8 instead.
+    for step in one:
+        assert abs(one[step] - two[step]) < 1e-4, (step, one[step], two[step])
 
 
 def test_a_run_directory_refuses_another_run_but_not_other_stage_settings(tmp_path):

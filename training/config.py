@@ -43,6 +43,10 @@ class ModelConfig:
     rotary_base: float = 10000.0
     # RETRO-fit (paper section 4.2): the GPT-2 trunk is frozen; only CCA and encoder train.
     freeze_trunk: bool = False
+    # RETRO only. How the retrieval parameters start: "identity" (the encoder carries the
+    # neighbours' token embeddings through to the CCA's output, training/retro.py
+    # init_identity_path: learns to copy in tens of steps) or "normal" (GPT-2's N(0, 0.02)).
+    retrieval_init: str = "identity"
 
     def __post_init__(self):
         require(self.kind in ("gpt2", "retro"), "model.kind", f"must be 'gpt2' or 'retro', got {self.kind!r}")
@@ -65,6 +69,8 @@ class ModelConfig:
                     "RETRO needs an even encoder head width encoder_embd / encoder_head")
             require(self.encoder_layers >= 1, "model.encoder_layers", "must be >= 1 for RETRO")
         require(not self.freeze_trunk or self.kind == "retro", "model.freeze_trunk", "only applies to kind 'retro'")
+        require(self.retrieval_init in ("identity", "normal"), "model.retrieval_init",
+                f"must be 'identity' or 'normal', got {self.retrieval_init!r}")
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "ModelConfig":
@@ -115,6 +121,9 @@ class TrainConfig:
     precision: str = "auto"
     # Recompute activations every N layers in backward (0 = off): trades compute for memory.
     activation_checkpoint_interval: int = 0
+    # The output head and cross-entropy fused, over slices of tokens (training/lm_head.py): the
+    # logits of a whole micro-batch are never held at once. false = the plain path (all logits).
+    fused_head: bool = True
     # Checkpoint every N steps and at the end; keep the newest K.
     checkpoint_every: int = 100
     keep_checkpoints: int = 2
@@ -154,6 +163,9 @@ class EvalConfig:
     batch_size: int = 4
     # Evaluate at most this many chunks of the split (0 = all): for quick looks at big corpora.
     max_chunks: int = 0
+    # The database-size curve: RETRO[ON] against the training split plus these fractions of the
+    # further corpora's documents (retrieval.corpora), e.g. [0, 0.125, 0.25, 0.5, 1]; [] = none.
+    database_curve: list[float] = field(default_factory=list)
 
     def __post_init__(self):
         require(self.window >= 1 and 1 <= self.stride <= self.window, "eval.stride",
@@ -161,18 +173,12 @@ class EvalConfig:
         require(self.neighbours >= 1, "eval.neighbours", "must be >= 1")
         require(self.more_neighbours >= 0, "eval.more_neighbours", "must be >= 0")
         require(self.batch_size >= 1 and self.max_chunks >= 0, "eval.batch_size", "batch_size >= 1, max_chunks >= 0")
+        require(all(0.0 <= f <= 1.0 for f in self.database_curve), "eval.database_curve",
+                f"fractions must lie in [0, 1], got {self.database_curve}")
 
 
 def resolve_precision(precision: str) -> str:
-    """The precision "auto" stands for on this machine; others are returned as they are."""
-    if precision != "auto":
-        return precision
-    import torch
+    """The precision "auto" stands for on this machine (training/hardware.py); others as they are."""
+    from training.hardware import resolve_precision as resolve
 
-    if torch.cuda.is_available():
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return "fp32"
-    return "bf16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "fp32"
+    return resolve(precision)

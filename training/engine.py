@@ -29,6 +29,7 @@ import torch.distributed as dist
 import yaml
 
 from training.data import SequenceBatches, micro_batches
+from training.retro import is_retrieval_parameter
 
 STATE_FILE, LATEST = "state.json", "latest.json"
 
@@ -86,6 +87,16 @@ def matmul_flops_per_s(dtype: torch.dtype, device: str, size: int = 1024, second
     return 2 * size**3 * n / (time.perf_counter() - start)
 
 
+def check_tied_weights(engine, when: str) -> None:
+    """Fail loudly when the stages' copies of the tied embedding differ (every rank raises)."""
+    from training.pipeline import tied_weights_max_diff
+
+    diff = tied_weights_max_diff(engine)
+    if diff != 0.0:
+        raise TrainingError(f"the pipeline stages' copies of the tied token embedding differ {when} (max |Δ| "
+                            f"{diff:.3g}): the output head would not be the input embedding")
+
+
 # --- the loop -------------------------------------------------------------------------------
 
 def _to_pipe(batch: dict, retro: bool):
@@ -112,6 +123,7 @@ class Trainer:
             freeze_trunk(module)
         params = [p for p in module.parameters() if p.requires_grad]
         self.engine, *_ = deepspeed.initialize(model=module, model_parameters=params, config=deepspeed_config(self.t))
+        check_tied_weights(self.engine, "at the start of training")
         grid = self.engine.grid
         self.dp_rank, self.dp_world = grid.get_data_parallel_rank(), grid.get_data_parallel_world_size()
         self.first, self.last = self.engine.is_first_stage(), self.engine.is_last_stage()
@@ -131,15 +143,21 @@ class Trainer:
         from training.model_io import load_pretrained
 
         source = load_pretrained(self.t.init_from).state_dict()
-        for j, layer in enumerate(module.forward_funcs):
-            if isinstance(layer, torch.nn.Module):
-                name = self.descs[module._local_start + j].name
-                own = {k[len(name) + 1:]: v for k, v in source.items() if k.startswith(name + ".")}
-                missing, unexpected = layer.load_state_dict(own, strict=False)
-                trunk_missing = [m for m in missing if not m.startswith(("cca", "encoder", "ln_cca"))]
-                if trunk_missing or unexpected:
-                    raise TrainingError(f"train.init_from={self.t.init_from}: layer {name} does not match "
-                                        f"(missing {trunk_missing}, unexpected {unexpected})")
+        layers = [(self.descs[module._local_start + j].name, layer) for j, layer in enumerate(module.forward_funcs)
+                  if isinstance(layer, torch.nn.Module)]
+        # Tied modules too: a stage that holds only a later use of the embedding (the output head
+        # on the last stage) sees it as a function in forward_funcs, not as a module.
+        tie_names = {d.tie_key: d.name for d in self.descs if d.tie_key}
+        layers += [(tie_names[key], tied) for key, tied in module.tied_modules.items()]
+        for name, layer in layers:
+            own = {k[len(name) + 1:]: v for k, v in source.items() if k.startswith(name + ".")}
+            missing, unexpected = layer.load_state_dict(own, strict=False)
+            trunk_missing = [m for m in missing if not is_retrieval_parameter(m)]
+            if trunk_missing or unexpected:
+                raise TrainingError(f"train.init_from={self.t.init_from}: layer {name} does not match "
+                                    f"(missing {trunk_missing}, unexpected {unexpected})")
+        # DeepSpeed broadcast the tied weights when it built the module, before this copy: do it again.
+        module._synchronize_tied_weights()
 
     # -- checkpoints --
     def _latest(self) -> dict | None:

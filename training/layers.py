@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 
 from training.config import ModelConfig
-from training.model import Block, PositionEmbedding, TokenEmbedding, embed_tokens, lm_logits
+from training.model import Block, PositionEmbedding, TokenEmbedding, embed_tokens, head_inputs, lm_logits
 from training.retro import RetroBlock, embed_inputs, embed_neighbours, freeze_trunk, no_neighbours
 
 # Neighbours per chunk assumed by the cost estimates.
@@ -75,7 +75,9 @@ def _cca_flops(cfg: ModelConfig, n: int, first: bool) -> float:
     return flops
 
 
-def layer_list(cfg: ModelConfig) -> list[LayerDesc]:
+def layer_list(cfg: ModelConfig, fused_head: bool = False) -> list[LayerDesc]:
+    """The model's layers in order; fused_head ends with `head_inputs` (h and the tied matrix, for
+    model.fused_loss_fn) instead of the logits."""
     n, d, giga = cfg.n_positions, cfg.n_embd, 1e-9
     retro = cfg.kind == "retro"
     wte = dict(cls=TokenEmbedding, kwargs=dict(vocab_size=cfg.vocab_size, n_embd=d), tie_key="embed")
@@ -94,7 +96,8 @@ def layer_list(cfg: ModelConfig) -> list[LayerDesc]:
         else:
             descs.append(LayerDesc(f"blocks.{i}", Block, dict(cfg=cfg), cost=_block_flops(cfg, n) * giga))
     descs.append(LayerDesc("ln_f", nn.LayerNorm, dict(normalized_shape=d), cost=n * d * giga))
-    descs.append(LayerDesc("wte", **wte, forward_fn=lm_logits, cost=2 * n * d * cfg.vocab_size * giga))
+    descs.append(LayerDesc("wte", **wte, forward_fn=head_inputs if fused_head else lm_logits,
+                           cost=2 * n * d * cfg.vocab_size * giga))
     return descs
 
 
@@ -139,5 +142,5 @@ class LayerSequence(nn.Module):
         return x
 
 
-def build_sequential(cfg: ModelConfig) -> LayerSequence:
-    return LayerSequence(cfg, layer_list(cfg))
+def build_sequential(cfg: ModelConfig, fused_head: bool = False) -> LayerSequence:
+    return LayerSequence(cfg, layer_list(cfg, fused_head))

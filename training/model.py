@@ -68,6 +68,12 @@ def lm_logits(wte: TokenEmbedding, h: torch.Tensor) -> torch.Tensor:
     return F.linear(h, wte.weight)
 
 
+def head_inputs(wte: TokenEmbedding, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Last layer of the fused path: h (b, n, d) and the tied matrix, for `fused_loss_fn`, which
+    computes the logits and the loss slice by slice (training/lm_head.py)."""
+    return h, wte.weight
+
+
 class PositionEmbedding(nn.Module):
     """Adds the learned absolute position `wpe` to the token embedding, then embedding dropout."""
 
@@ -152,16 +158,29 @@ class GPT2(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd)
 
-    def forward(self, tokens: torch.Tensor, neighbours: torch.Tensor | None = None) -> torch.Tensor:
+    def hidden(self, tokens: torch.Tensor, neighbours: torch.Tensor | None = None) -> torch.Tensor:
+        """The final hidden states (b, n, d), after ln_f: what the tied head reads."""
         if neighbours is not None:
             raise ValueError("the GPT-2 baseline takes no neighbours (model.kind is 'gpt2')")
         h = self.wpe(embed_tokens(self.wte, tokens))  # (b, n, d)
         for block in self.blocks:
             h = block(h)
-        return lm_logits(self.wte, self.ln_f(h))  # (b, n, vocab)
+        return self.ln_f(h)
+
+    def forward(self, tokens: torch.Tensor, neighbours: torch.Tensor | None = None) -> torch.Tensor:
+        return lm_logits(self.wte, self.hidden(tokens, neighbours))  # (b, n, vocab)
 
     def num_parameters(self, trainable_only: bool = False) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
+
+
+def fused_loss_fn(outputs: tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+    """loss_fn of the fused path: outputs = (h, tied matrix) from `head_inputs`; same value as
+    loss_fn(h @ Wᵀ, labels), without ever holding all the logits (training/lm_head.py)."""
+    from training.lm_head import lm_loss
+
+    h, weight = outputs
+    return lm_loss(h, weight, labels)
 
 
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ from deepspeed.runtime.utils import partition_uniform  # noqa: E402
 
 from training.config import ModelConfig, TrainConfig  # noqa: E402
 from training.layers import LayerDesc, layer_list  # noqa: E402
-from training.model import loss_fn  # noqa: E402
+from training.model import fused_loss_fn, loss_fn  # noqa: E402
 
 # DeepSpeed JIT-compiles a shared-memory allreduce for CPU on first use (~90 s); gloo does the
 # same job without a C++ build, so never build it.
@@ -193,19 +193,20 @@ def layer_specs(descs: list[LayerDesc], seed: int) -> list:
 
 
 def build_pipeline(model: ModelConfig, train: TrainConfig) -> tuple[RetroPipeModule, list[LayerDesc], list[int]]:
-    descs = layer_list(model)
+    descs = layer_list(model, fused_head=train.fused_head)
     parts = partition(descs, train.pipeline_stages, train.partition, frozen_trunk=model.freeze_trunk)
     module = RetroPipeModule(layer_specs(descs, train.seed), parts=parts, num_stages=train.pipeline_stages,
-                             loss_fn=loss_fn, activation_checkpoint_interval=train.activation_checkpoint_interval,
+                             loss_fn=fused_loss_fn if train.fused_head else loss_fn,
+                             activation_checkpoint_interval=train.activation_checkpoint_interval,
                              checkpointable_layers=["Block", "RetroBlock"])
     return module, descs, parts
 
 
-def build_sequential_seeded(model: ModelConfig, seed: int) -> torch.nn.Module:
+def build_sequential_seeded(model: ModelConfig, seed: int, fused_head: bool = False) -> torch.nn.Module:
     """The single-process twin of build_pipeline: same layers, same per-layer seeds."""
     from training.layers import LayerSequence
 
-    descs = layer_list(model)
+    descs = layer_list(model, fused_head=fused_head)
     seeded = []
     for i, d in enumerate(descs):
         seeded.append(LayerDesc(d.name, _seeded_class(d.cls, seed + i), d.kwargs, d.tie_key, d.forward_fn, d.cost))

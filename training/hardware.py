@@ -1,0 +1,88 @@
+"""What this machine computes with: CPU vector features, GPUs, the precision `auto` stands for, the
+matmul peak that MFU is measured against, and the thread settings of a CPU pipeline stage.
+
+Every benchmark prints `describe()` so that a figure always names its machine: on a CPU the
+fp32/bf16 choice hinges on AVX512-BF16 / AMX (bf16 is ~2.6× faster than fp32 with them, several
+times slower without).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import time
+
+CPU_FLAGS = {"avx2": "AVX2", "fma": "FMA", "avx512f": "AVX-512", "avx512_bf16": "AVX512-BF16", "amx_bf16": "AMX-BF16"}
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_has_bf16() -> bool:
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
+def resolve_precision(precision: str) -> str:
+    """The precision "auto" stands for on this machine; others are returned as they are."""
+    if precision != "auto":
+        return precision
+    import torch
+
+    if torch.cuda.is_available():
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return "bf16" if cpu_has_bf16() else "fp32"
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def describe() -> str:
+    """One line: CPU model, cores, vector features present and absent, GPUs, torch version."""
+    import torch
+
+    flags = cpu_flags()
+    have = [name for flag, name in CPU_FLAGS.items() if flag in flags]
+    lack = [name for flag, name in CPU_FLAGS.items() if flag not in flags and flag != "fma"]
+    gpu = (f"{torch.cuda.device_count()} × {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "no GPU")
+    return (f"{cpu_model()}, {os.cpu_count()} cores, {'+'.join(have) or 'no AVX'}"
+            + (f" (no {', '.join(lack)})" if lack else "") + f"; {gpu}; torch {torch.__version__}; "
+            f"precision auto = {resolve_precision('auto')}")
+
+
+def matmul_flops_per_s(dtype=None, device: str = "cpu", size: int = 1024, seconds: float = 0.3) -> float:
+    """This process's dense matmul FLOP/s in dtype (best of repeated size² products): the one peak
+    that every MFU figure (training log, bench/model_step.py) is measured against."""
+    import torch
+
+    dtype = dtype or torch.float32
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    a @ b
+    best, start = float("inf"), time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        if device != "cpu":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        a @ b
+        if device != "cpu":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * size**3 / best

@@ -1,0 +1,88 @@
+"""The output head and its cross-entropy, fused and computed over slices of tokens.
+
+    loss = lm_loss(h, wte.weight, labels)        # h (b, n, d), labels (b, n): the mean token NLL
+
+Plain path: logits = h @ Wᵀ, (b, n, vocab) at once, then cross-entropy. At GPT-2's 50,257-way
+vocabulary the logits dwarf everything else a small model holds: 4 × 256 × 50,257 floats are
+206 MB, written, read and written again by the softmax and its gradient. The fused path never
+holds more than `slice_tokens` rows of logits: for each slice of tokens it computes the logits,
+their log-sum-exp and the loss, and, when gradients are wanted, straight away the gradient of
+the loss with respect to the slice's logits (softmax − one-hot) and from it the gradients of h
+and W, which backward only scales. The same FLOPs as the plain path (6·N·d·V with W trainable,
+4·N·d·V without), a fraction of the memory traffic. `loss_fn(logits, labels)` in
+training/model.py stays the plain path; a test checks both give the same loss and gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+# Tokens per slice: 256 × 50,257 fp32 logits are 51 MB; small enough to stay out of the way,
+# large enough that the slice matmuls run at full speed (bench/lm_head.py measures it).
+SLICE_TOKENS = 256
+
+
+class _FusedLMLoss(torch.autograd.Function):
+    """Summed NLL of labels under softmax(h @ Wᵀ), slice by slice; gradients computed in forward."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, slice_tokens: int):
+        # h (N, d), weight (V, d), labels (N,) with IGNORE_INDEX for no target.
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        ctx.h_dtype, ctx.w_dtype = h.dtype, weight.dtype
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        grad_h = torch.empty_like(h) if want_h else None
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_w else None
+        w = weight.to(h.dtype)  # matmuls in h's precision (bf16 under mixed precision), softmax in fp32
+        for start in range(0, h.shape[0], slice_tokens):
+            hs, ys = h[start:start + slice_tokens], labels[start:start + slice_tokens]
+            logits = (hs @ w.t()).float()                                          # (S, V)
+            valid = ys != IGNORE_INDEX
+            target = torch.where(valid, ys, 0)
+            lse = torch.logsumexp(logits, dim=-1)                                  # (S,)
+            nll = lse - logits.gather(1, target[:, None]).squeeze(1)
+            total += (nll * valid).sum()
+            if want_h or want_w:
+                # d(Σ nll)/d logits = softmax − one-hot, on rows with a target; in place of the logits.
+                grad = logits.sub_(lse[:, None]).exp_()
+                grad[torch.arange(len(ys), device=h.device), target] -= 1.0
+                grad *= valid[:, None]
+                grad = grad.to(hs.dtype)
+                if want_h:
+                    grad_h[start:start + slice_tokens] = grad @ w
+                if want_w:
+                    grad_w += (grad.t() @ hs).float()
+        ctx.save_for_backward(grad_h, grad_w)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        grad_h, grad_w = ctx.saved_tensors
+        dh = (grad_h * grad_output.to(grad_h.dtype)) if grad_h is not None else None
+        dw = (grad_w * grad_output).to(ctx.w_dtype) if grad_w is not None else None
+        return dh, dw, None, None
+
+
+def lm_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, slice_tokens: int = SLICE_TOKENS) -> torch.Tensor:
+    """Mean cross-entropy of labels (b, n) under the tied head W (V, d) applied to h (b, n, d).
+
+    Labels are already the next tokens; IGNORE_INDEX (-100) is no target. Computed in fp32
+    whatever h's dtype; a batch with no target gives 0, not NaN (as training.model.loss_fn).
+    """
+    h2, y = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
+    total = _FusedLMLoss.apply(h2, weight, y, slice_tokens)
+    return total / (y != IGNORE_INDEX).sum().clamp(min=1)
+
+
+def token_nll(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, slice_tokens: int = SLICE_TOKENS) -> torch.Tensor:
+    """Per-token NLL (b, n) of targets under the head, without gradients, slice by slice (evaluation)."""
+    with torch.no_grad():
+        h2, y = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
+        out = torch.empty(y.shape, dtype=torch.float32, device=h.device)
+        w = weight if weight.dtype == h.dtype else weight.to(h.dtype)
+        for start in range(0, h2.shape[0], slice_tokens):
+            logits = (h2[start:start + slice_tokens] @ w.t()).float()
+            out[start:start + slice_tokens] = F.cross_entropy(logits, y[start:start + slice_tokens], reduction="none")
+        return out.view(targets.shape)
