@@ -50,11 +50,15 @@ class Attention(nn.Module):
         self.proj = nn.Linear(width, d_q)
         self.resid_drop = nn.Dropout(dropout)
 
-    def forward(self, x, context, q_pos, k_pos, mask=None):
-        # mask: bool, broadcastable to (B, heads, t, s); True = attend.
+    def forward(self, x, context, q_pos, k_pos, mask=None, bias=None):
+        # mask: bool, broadcastable to (B, heads, t, s), True = attend; bias: float, broadcastable
+        # to the same, added to the attention logits (a relative-position term).
         q = rearrange(self.q(x), "B t (h c) -> B h t c", h=self.n_head)
         k, v = rearrange(self.kv(context), "B s (two h c) -> two B h s c", two=2, h=self.n_head)
         q, k = rotary(q, q_pos, self.rotary_base), rotary(k, k_pos, self.rotary_base)
+        if bias is not None:
+            bias = bias.to(q.dtype)
+            mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                            dropout_p=self.dropout if self.training else 0.0)
         return self.resid_drop(self.proj(rearrange(y, "B h t c -> B t (h c)")))
@@ -69,17 +73,23 @@ class ChunkedCrossAttention(nn.Module):
     queries left by m-1 (a pad) lines those positions up with chunk u. The first m-1 positions
     have no retrieval before them and get an exact zero (the residual only).
 
-    Relative positions (rotary): query i of the shifted chunk u sits at offset m-1+i from the
-    start of chunk u; neighbour token j sits at offset j from the start of its neighbour, which is
-    aligned with chunk u (its continuation with chunk u+1). All k·r tokens of the chunk's
-    neighbours are attended to jointly; missing ones (id -1) are masked.
+    Relative positions: query i of the shifted chunk u sits at offset m-1+i from the start of
+    chunk u; neighbour token j sits at offset j from the start of its neighbour, which is aligned
+    with chunk u (its continuation with chunk u+1). They enter twice, as in the Transformer-XL
+    relative encoding RETRO uses (§B): through the content (rotary q·k, relative by construction)
+    and as a learned bias per head and relative offset j − (m-1+i), the query-independent term.
+    That bias is what lets a query find the neighbour token aligned with the token it predicts
+    (offset +1) within tens of steps; rotary alone needs hundreds (docs/models.md). All k·r tokens
+    of the chunk's neighbours are attended to jointly; missing ones (id -1) are masked.
     """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.chunk_len = cfg.chunk_len
+        m = self.chunk_len = cfg.chunk_len
         self.ln = nn.LayerNorm(cfg.n_embd)
         self.attn = Attention(cfg.n_embd, cfg.encoder_embd, cfg.n_embd, cfg.n_head, cfg.dropout, cfg.rotary_base)
+        # One logit bias per head and offset j − q in [-(2m-2), m]: 3m - 1 offsets.
+        self.position_bias = nn.Parameter(torch.zeros(cfg.n_head, 3 * m - 1))
 
     def forward(self, h: torch.Tensor, encoded: torch.Tensor, neighbours: torch.Tensor) -> torch.Tensor:
         # h (b, n, d); encoded (b, l, k, r, e); neighbours (b, l, k, r) int64, -1 = missing.
@@ -92,7 +102,9 @@ class ChunkedCrossAttention(nn.Module):
         mask, any_valid = key_mask(valid)
         q_pos = torch.arange(m - 1, 2 * m - 1, device=h.device)
         k_pos = torch.arange(r, device=h.device).repeat(k)  # every neighbour starts at offset 0
-        y = self.attn(q, context, q_pos, k_pos, mask)  # ((b l), m, d)
+        offsets = k_pos[None, :] - q_pos[:, None] + 2 * m - 2   # (m, k r), indices into position_bias
+        bias = self.position_bias[:, offsets][None]            # (1, heads, m, k r)
+        y = self.attn(q, context, q_pos, k_pos, mask, bias)  # ((b l), m, d)
         y = y * rearrange(any_valid, "B 1 1 1 -> B 1 1").to(y.dtype)  # no neighbour → exact zero
         y = rearrange(y, "(b l) m d -> b (l m) d", b=b)
         return F.pad(y, (0, 0, m - 1, -(m - 1)))  # undo the shift; positions 0 … m-2 get zeros

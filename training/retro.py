@@ -65,6 +65,47 @@ def embed_neighbours(wte: TokenEmbedding, x):
     return h, neighbours, F.embedding(neighbours.clamp(min=0), wte.weight)
 
 
+# The identity-path map is drawn from its own generator: every stage of a pipeline, building only
+# some RetroBlocks, draws the same one.
+IDENTITY_PATH_SEED = 20211208
+IDENTITY_PATH_SCALE = 0.5
+
+
+def identity_path(cfg: ModelConfig) -> torch.Tensor:
+    """(encoder_embd, n_embd): a fixed map with orthonormal rows (columns if encoder_embd > n_embd)."""
+    d, e = cfg.n_embd, cfg.encoder_embd
+    g = torch.Generator().manual_seed(IDENTITY_PATH_SEED)
+    q, _ = torch.linalg.qr(torch.randn(max(d, e), min(d, e), generator=g))  # orthonormal columns
+    return q.t().contiguous() if e <= d else q
+
+
+def init_identity_path(block: "RetroBlock", cfg: ModelConfig) -> None:
+    """model.retrieval_init "identity": start the retrieval path as a copy of the neighbours' tokens.
+
+    The encoder starts as Q·(token embedding) (its layers' output projections at zero: each layer
+    adds nothing until it learns to), the CCA's values read Q back (Qᵀ) and its output projection
+    is a scaled identity. So from step 0 a CCA that attends to neighbour token j adds a multiple of
+    that token's embedding to the residual stream, which the tied head reads as "token j is
+    likely": the chunked cross-attention only has to learn *where* to look. With GPT-2's random
+    init it must first discover that path through four random matrices, a plateau of hundreds of
+    steps at CPU scale (docs/results.md). Values and output of the encoder change nothing else: a
+    chunk without neighbours still gets an exact zero.
+    """
+    q = identity_path(cfg)                                                        # (e, d)
+    d = cfg.n_embd
+    with torch.no_grad():
+        if block.first:
+            enc = block.encoder
+            enc.proj_in.weight.copy_(q)
+            enc.proj_in.bias.zero_()
+            for layer in enc.layers:
+                for out in (layer.attn.proj, layer.cross.proj, layer.mlp.c_proj):
+                    out.weight.zero_()
+        attn = block.cca.attn
+        attn.kv.weight[d:].copy_(q.t())                                          # values: (d, e)
+        attn.proj.weight.copy_(IDENTITY_PATH_SCALE * torch.eye(d))
+
+
 class RetroBlock(Block):
     """Block + CCA. Tuple in: (h, ids, embedded) for the first, (h, ids, encoded) for later ones.
 
@@ -79,6 +120,8 @@ class RetroBlock(Block):
         init_weights(self.cca, cfg.n_layer)
         if first:
             self.encoder = RetrievalEncoder(cfg)
+        if cfg.retrieval_init == "identity":
+            init_identity_path(self, cfg)
 
     def forward(self, x):
         h, neighbours, z = x
@@ -119,7 +162,8 @@ class Retro(nn.Module):
         if cfg.freeze_trunk:
             freeze_trunk(self)
 
-    def forward(self, tokens: torch.Tensor, neighbours: torch.Tensor | None = None) -> torch.Tensor:
+    def hidden(self, tokens: torch.Tensor, neighbours: torch.Tensor | None = None) -> torch.Tensor:
+        """The final hidden states (b, n, d), after ln_f: what the tied head reads."""
         if neighbours is None:
             neighbours = no_neighbours(tokens, self.cfg.chunk_len)
         # Exactly the layer list of layers.layer_list(cfg), in order.
@@ -128,7 +172,10 @@ class Retro(nn.Module):
             if i == self.first_cca:
                 x = embed_neighbours(self.wte, x)
             x = block(x)
-        return lm_logits(self.wte, self.ln_f(x))  # (b, n, vocab)
+        return self.ln_f(x)
+
+    def forward(self, tokens: torch.Tensor, neighbours: torch.Tensor | None = None) -> torch.Tensor:
+        return lm_logits(self.wte, self.hidden(tokens, neighbours))  # (b, n, vocab)
 
     def num_parameters(self, trainable_only: bool = False) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
