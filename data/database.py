@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from data.alignment import MIN_MATCH_FRACTION, aligned_windows, best_shifts
 from data.readers import DataError
 from data.store import ChunkStore, SplitChunks
 
@@ -127,8 +128,31 @@ class Database:
                 out[present[sel]] = np.where(real, tokens, -1)
         return out.reshape(*np.shape(ids), self.chunk_len)
 
-    def neighbour_tokens(self, ids: np.ndarray) -> np.ndarray:
-        """Chunks ids (..., k), -1 = none, each followed by its continuation: (..., k, r) int64, -1 = missing."""
+    def next_chunks(self, ids: np.ndarray) -> np.ndarray:
+        """The next chunk of the same document of ids (...), -1 = none or at the document's end."""
         ids = np.asarray(ids, dtype=np.int64)
-        cont = np.where(ids >= 0, self.continuation[np.maximum(ids, 0)], -1)
-        return np.concatenate([self.chunk_tokens(ids), self.chunk_tokens(cont)], axis=-1)
+        return np.where(ids >= 0, self.continuation[np.maximum(ids, 0)], -1)
+
+    def previous_chunks(self, ids: np.ndarray) -> np.ndarray:
+        """The previous chunk of the same document of ids (...), -1 = none or at the document's start."""
+        ids = np.asarray(ids, dtype=np.int64)
+        return np.where((ids >= 0) & (self.positions[np.maximum(ids, 0)] > 0), ids - 1, -1)
+
+    def neighbour_tokens(self, ids: np.ndarray, query: np.ndarray | None = None) -> np.ndarray:
+        """Chunks ids (..., k), -1 = none, each followed by its continuation: (..., k, r) int64, -1 = missing.
+
+        With `query` (..., chunk_len) int64 tokens (-1 = none) of the chunks the neighbours were retrieved
+        for, each window is aligned to its query chunk (data/alignment.py).
+        """
+        ids = np.asarray(ids, dtype=np.int64)
+        nxt = self.next_chunks(ids)
+        if query is None:
+            return np.concatenate([self.chunk_tokens(ids), self.chunk_tokens(nxt)], axis=-1)
+        m = self.chunk_len
+        around = np.stack([self.previous_chunks(ids), ids, nxt, self.next_chunks(nxt)], axis=-1)  # (..., k, 4)
+        region = self.chunk_tokens(around).reshape(-1, 4 * m)                                     # (.. k, 4m)
+        k = ids.shape[-1]
+        q = np.repeat(np.asarray(query, dtype=np.int64).reshape(-1, m), k, axis=0)                # (.. k, m)
+        shifts = best_shifts(q, region, min_match=int(MIN_MATCH_FRACTION * m))
+        shifts[ids.reshape(-1) < 0] = 0
+        return aligned_windows(region, shifts, self.r).reshape(*ids.shape, self.r)

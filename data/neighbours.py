@@ -42,8 +42,10 @@ def check_neighbour_count(k: int | None, stored: int, where, asked: str = "neigh
 
 
 class NeighbourStore:
-    def __init__(self, neighbours_dir: str | Path, chunk_store: ChunkStore, chunks_per_seq: int | None = None):
+    def __init__(self, neighbours_dir: str | Path, chunk_store: ChunkStore, chunks_per_seq: int | None = None,
+                 align: bool = False):
         self.dir = Path(neighbours_dir)
+        self.align = align  # retrieval.align_neighbours: windows aligned to their query chunk
         self.chunk_store = chunk_store
         path = self.dir / "manifest.json"
         if not path.exists():
@@ -71,9 +73,10 @@ class NeighbourStore:
         self._ids: dict[str, np.ndarray] = {}
 
     @classmethod
-    def of(cls, retrieval_dir: str | Path, chunk_store: ChunkStore, chunks_per_seq: int | None = None) -> "NeighbourStore":
+    def of(cls, retrieval_dir: str | Path, chunk_store: ChunkStore, chunks_per_seq: int | None = None,
+           align: bool = False) -> "NeighbourStore":
         """The neighbours of the training chunk store, built by launch/build_index.py."""
-        return cls(Path(retrieval_dir) / "neighbours", chunk_store, chunks_per_seq)
+        return cls(Path(retrieval_dir) / "neighbours", chunk_store, chunks_per_seq, align)
 
     def ids(self, split: str) -> np.ndarray:
         """(num_chunks, k) int64 memory-mapped neighbour ids of every chunk of the split."""
@@ -97,4 +100,11 @@ class NeighbourStore:
 
     def neighbour_tokens(self, split: str, chunk_ids: np.ndarray, k: int | None = None) -> np.ndarray:
         """Neighbour + continuation tokens of chunk_ids (...): (..., k, r) int64, -1 = missing."""
-        return self.database.neighbour_tokens(self.neighbour_ids(split, chunk_ids, k))
+        ids = self.neighbour_ids(split, chunk_ids, k)
+        if not self.align:
+            return self.database.neighbour_tokens(ids)
+        chunks = self.chunk_store.split(split)
+        flat = np.asarray(chunk_ids, dtype=np.int64).reshape(-1)
+        real = np.arange(chunks.chunk_len)[None, :] < chunks.lengths[flat][:, None]
+        query = np.where(real, chunks.tokens(flat).astype(np.int64), -1)        # (.., m), -1 at padding
+        return self.database.neighbour_tokens(ids, query.reshape(*np.shape(chunk_ids), -1))

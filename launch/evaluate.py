@@ -59,7 +59,7 @@ def neighbour_sources(cfg, store, split: str, out: Path, database_dir: Path):
     own = store.root.resolve() == cfg.data_dir.resolve() and database_dir.resolve() == cfg.retrieval_dir.resolve()
     retriever = None
     if own:  # the training data against its own database: the neighbours the build computed
-        neighbours = NeighbourStore.of(cfg.retrieval_dir, store)
+        neighbours = NeighbourStore.of(cfg.retrieval_dir, store, align=cfg.retrieval.align_neighbours)
     else:
         retriever = Retriever(database_dir, cfg.retrieval)
         neighbours = split_neighbours(retriever, store, split, out / "neighbours" / _tag(str(database_dir)),

@@ -92,7 +92,10 @@ def run(args) -> Result:
     def retrieve(chunk_tokens: list[int], chunk: int):
         from retrieval.query import query_text
 
-        found, tokens = retriever.query([query_text(chunk_tokens, encoding, eot_id)], k)  # (1, k), (1, k, r)
+        query = np.full((1, model.cfg.chunk_len), -1, dtype=np.int64)
+        tokens = chunk_tokens[:model.cfg.chunk_len]
+        query[0, :len(tokens)] = tokens
+        found, tokens = retriever.query([query_text(chunk_tokens, encoding, eot_id)], k, query)  # (1, k), (1, k, r)
         ids.append([chunk_name(retriever.database, i) for i in found[0]])
         return tokens[0]
 

@@ -63,7 +63,8 @@ def preflight(cfg, world_size: int):
     neighbours = None
     if cfg.model.kind == "retro":
         from data.neighbours import NeighbourStore
-        neighbours = NeighbourStore.of(cfg.retrieval_dir, store, chunks_per_seq=t.seq_len // store.chunk_len)
+        neighbours = NeighbourStore.of(cfg.retrieval_dir, store, chunks_per_seq=t.seq_len // store.chunk_len,
+                                        align=cfg.retrieval.align_neighbours)
     return store, neighbours
 
 

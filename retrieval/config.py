@@ -16,7 +16,8 @@ class RetrievalError(DataError):
 @dataclass
 class RetrievalConfig:
     # Keys that change how the database is built, not what it holds (data/stage.py output_settings).
-    RUNTIME_KEYS: ClassVar[tuple[str, ...]] = ("embed_batch_size", "embed_actors", "embed_device", "recall_queries")
+    RUNTIME_KEYS: ClassVar[tuple[str, ...]] = ("embed_batch_size", "embed_actors", "embed_device", "recall_queries",
+                                                   "align_neighbours")
 
     # Further corpora in the database beside the training split (files, directories or globs, read
     # like data.corpus with the training data's tokenizer and chunk_len); [] = the training split only.
@@ -43,6 +44,9 @@ class RetrievalConfig:
     # Re-rank the FAISS candidates by exact distance on the stored embeddings: recovers the
     # recall that PQ codes lose, for `candidates` row reads per query (no effect on "Flat").
     rerank: bool = True
+    # Slide each neighbour window along its document to line up with its query chunk when it is
+    # read for training, evaluation and generation (data/alignment.py); false = the paper's [N, F].
+    align_neighbours: bool = True
     # Queries sampled for the recall@k check of the index against exact search.
     recall_queries: int = 200
     seed: int = 1234

@@ -49,7 +49,7 @@ class Retriever:
     def __init__(self, retrieval_dir: str | Path, cfg: RetrievalConfig, device: str = "cpu"):
         root = Path(retrieval_dir)
         check_database(root)
-        self.dir = root
+        self.dir, self.cfg = root, cfg
         self.database = Database(root)
         self.vectors = open_vectors(self.database)
         index_manifest = read_json(root / "index" / "manifest.json", rerun=f"build it again: {BUILD}")
@@ -95,11 +95,12 @@ class Retriever:
         """(len(texts), k) int64 database ids, nearest first, -1 where the database has fewer."""
         return self.search(embed(self.model, texts), k)
 
-    def neighbour_tokens(self, ids: np.ndarray) -> np.ndarray:
-        """Tokens of neighbours ids (..., k) and their continuations: (..., k, r) int64, -1 = missing."""
-        return self.database.neighbour_tokens(ids)
+    def neighbour_tokens(self, ids: np.ndarray, query: np.ndarray | None = None) -> np.ndarray:
+        """Tokens of neighbours ids (..., k) and their continuations: (..., k, r) int64, -1 = missing;
+        aligned to query chunks (..., chunk_len) when given and retrieval.align_neighbours is on."""
+        return self.database.neighbour_tokens(ids, query if self.cfg.align_neighbours else None)
 
-    def query(self, texts: list[str], k: int) -> tuple[np.ndarray, np.ndarray]:
-        """(ids (q, k), tokens (q, k, r)) for each text."""
+    def query(self, texts: list[str], k: int, query: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(ids (q, k), tokens (q, k, r)) for each text; query (q, chunk_len): its tokens, for alignment."""
         ids = self.neighbour_ids(texts, k)
-        return ids, self.neighbour_tokens(ids)
+        return ids, self.neighbour_tokens(ids, query)

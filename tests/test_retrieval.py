@@ -430,3 +430,46 @@ def test_further_corpora_join_the_database_and_copies_of_evaluated_documents_sta
     tokens = db.neighbour_tokens(np.array([n0]))
     part = db.parts[1].split
     np.testing.assert_array_equal(tokens[0, :part.lengths[0]], part.tokens([0])[0, :part.lengths[0]])
+
+
+@pytest.mark.parametrize("shift", [5, -3, 0])
+def test_aligned_neighbours_continue_the_query_text(tmp_path, shift):
+    """A neighbour whose document holds the query's text s tokens from its chunk start is read from there."""
+    words = [f"{w}{i}" for i, w in enumerate(" ".join(TOPICS).split())]          # no text repeats itself
+    docs = [("train", " ".join(words[i::3])) for i in range(3)] + [("validation", TOPICS[0])]
+    store = make_store(tmp_path, docs)
+    build_retrieval(retrieval_cfg(k=1), store, tmp_path / "retrieval", chunks_per_seq=SEQ_CHUNKS)
+    db = NeighbourStore.of(tmp_path / "retrieval", store).database
+    m = db.chunk_len
+    nxt = db.next_chunks(np.arange(len(db)))
+    full = db.chunk_tokens(np.arange(len(db))).min(-1) >= 0
+
+    def text_around(n):  # 4m tokens of one document: the chunk before n, n and two after
+        return db.chunk_tokens(np.array([n - 1, n, nxt[n], nxt[nxt[n]]])).reshape(-1)
+
+    def unambiguous(text):  # the query's text occurs at one shift only (topic documents repeat themselves)
+        return sum((text[m + s:2 * m + s - 2] == text[m + shift:2 * m + shift - 2]).all() for s in range(1 - m, m)) == 1
+
+    middle = [n for n in range(1, len(db)) if db.positions[n] > 0 and nxt[n] >= 0 and nxt[nxt[n]] >= 0
+              and full[n - 1] and full[n] and full[nxt[n]] and unambiguous(text_around(n))]
+    assert middle, "the fixture has no document of four chunks"
+    n = middle[0]
+    text = text_around(n)
+    query = text[m + shift:2 * m + shift].copy()
+    query[-2:] = -1                                                                    # a short final chunk
+    aligned = db.neighbour_tokens(np.array([[n, -1]]), query[None])                    # (1, k=2, r)
+    np.testing.assert_array_equal(aligned[0, 0], text[m + shift:3 * m + shift])
+    assert (aligned[0, 1] == -1).all()
+    unrelated = np.full(m, 50000, dtype=np.int64)                                      # matches nothing: as retrieved
+    np.testing.assert_array_equal(db.neighbour_tokens(np.array([[n]]), unrelated[None]), db.neighbour_tokens(np.array([[n]])))
+
+
+def test_best_shift_needs_enough_matching_tokens():
+    from data.alignment import best_shifts
+    m = 8
+    region = np.arange(4 * m)[None]                                   # (1, 4m)
+    query = np.arange(m + 2, 2 * m + 2)[None].copy()                  # region's text 2 tokens late
+    assert best_shifts(query, region, min_match=m)[0] == 2
+    query[0, 3:] = -1                                                 # only 3 tokens left to match
+    assert best_shifts(query, region, min_match=4)[0] == 0
+    assert best_shifts(query, region, min_match=3)[0] == 2

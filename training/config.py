@@ -113,6 +113,8 @@ class TrainConfig:
     min_lr: float = 1.0e-4
     warmup_steps: int = 20
     weight_decay: float = 0.1
+    # Peak learning rate of the CCA's relative position bias (training/optim.py), on the same schedule.
+    position_bias_lr: float = 0.2
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
@@ -147,6 +149,7 @@ class TrainConfig:
         require(self.precision in ("auto", "bf16", "fp16", "fp32"), "train.precision",
                 f"must be 'auto', 'bf16', 'fp16' or 'fp32', got {self.precision!r}")
         require(0 < self.lr and 0 <= self.min_lr <= self.lr, "train.min_lr", "need 0 <= min_lr <= lr, lr > 0")
+        require(self.position_bias_lr >= 0, "train.position_bias_lr", "must be >= 0")
         require(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
         require(self.eval_every >= 0 and self.eval_batches >= 1, "train.eval_every", "eval_every >= 0, eval_batches >= 1")
         require(self.activation_checkpoint_interval >= 0, "train.activation_checkpoint_interval", "must be >= 0")

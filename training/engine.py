@@ -108,6 +108,7 @@ def _to_pipe(batch: dict, retro: bool):
 
 class Trainer:
     def __init__(self, cfg, store, neighbours, run_dir: Path, log=print):
+        from training.optim import parameter_groups
         from training.pipeline import build_pipeline, deepspeed_config
         import deepspeed
 
@@ -121,7 +122,7 @@ class Trainer:
         if cfg.model.freeze_trunk:
             from training.retro import freeze_trunk
             freeze_trunk(module)
-        params = [p for p in module.parameters() if p.requires_grad]
+        params = parameter_groups(module, self.t.position_bias_lr, self.t.weight_decay)
         self.engine, *_ = deepspeed.initialize(model=module, model_parameters=params, config=deepspeed_config(self.t))
         check_tied_weights(self.engine, "at the start of training")
         grid = self.engine.grid
