@@ -3,6 +3,7 @@
     python bench/train_throughput.py [--models gpt2,retro] [--steps 5] [--precision fp32|bf16]
                                      [--micro-batches 8] [--stages 2] [--preset tiny] [--repeat 1]
                                      [--n-layer 12 --n-embd 384 --n-head 6]
+                                     [--threads split,shared] [--fused-head true,false]
 
 Same model, same seeds, same global batch (micro_batch_size × micro_batches sequences of seq_len
 tokens, random tokens; RETRO gets 2 random neighbours of 2 · chunk_len tokens per chunk):
@@ -10,7 +11,11 @@ tokens, random tokens; RETRO gets 2 random neighbours of 2 · chunk_len tokens p
 - single: `build_sequential_seeded` + AdamW with gradient accumulation, one process using
   every core (bf16 via autocast);
 - pipeline: `build_pipeline` + `deepspeed.initialize`, `--stages` stages on as many processes
-  over gloo (one core each), exactly what launch/train.py runs, minus data loading.
+  over gloo, exactly what launch/train.py runs, minus data loading. `--threads` lists the
+  thread policies to compare: "split" gives each process cores / processes threads (one core
+  each here); "shared" gives every process all cores with OMP_WAIT_POLICY=PASSIVE, so the core
+  of a stage that waits for its neighbour works for the busy one (launch/train.py's default).
+  `--fused-head` lists the LM-head paths to compare (training/lm_head.py; single and pipeline alike).
 
 Prints tokens/s of both, their ratio (goal on a 2-core CPU: pipeline ≥ 0.85× single; the bubble
 bound is M / (M + P - 1) for M micro-batches and P stages) and MFU against the machine's matmul
@@ -45,7 +50,8 @@ def configs(args, kind: str):
         if getattr(args, key):
             shape[key] = getattr(args, key)
     model = ModelConfig(kind=kind, chunk_len=args.chunk_len, **shape)
-    train = TrainConfig(seq_len=args.seq_len, micro_batch_size=args.micro_batch_size, micro_batches=args.micro_batches,
+    train = TrainConfig(fused_head=args.fused_head, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
+                        micro_batches=args.micro_batches,
                         pipeline_stages=args.stages, steps=args.steps + args.warmup, precision=args.precision,
                         warmup_steps=1, eval_every=0)
     return model, train
@@ -66,12 +72,13 @@ def run_single(args, kind: str) -> float:
     """Tokens/s of the plain loop (best step after warm-up), all cores in one process."""
     import torch
 
-    from training.model import loss_fn
+    from training.model import fused_loss_fn, loss_fn
     from training.pipeline import build_sequential_seeded
 
     torch.set_num_threads(os.cpu_count() or 1)
     model_cfg, train = configs(args, kind)
-    model = build_sequential_seeded(model_cfg, train.seed).train()
+    model = build_sequential_seeded(model_cfg, train.seed, fused_head=train.fused_head).train()
+    loss_of = fused_loss_fn if train.fused_head else lambda logits, labels: loss_fn(logits.float(), labels)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     rng = torch.Generator().manual_seed(0)
     batches = [random_micro_batch(model_cfg, train, rng) for _ in range(train.micro_batches)]
@@ -80,8 +87,8 @@ def run_single(args, kind: str) -> float:
         t0 = time.perf_counter()
         for inputs, labels in batches:
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
-                logits = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
-            (loss_fn(logits.float(), labels) / train.micro_batches).backward()
+                outputs = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
+            (loss_of(outputs, labels) / train.micro_batches).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -120,15 +127,16 @@ def worker(args) -> None:
         print("RESULT " + json.dumps({"tokens_per_s": tokens / min(times[args.warmup:]), "parts": parts}), flush=True)
 
 
-def run_pipeline(args, kind: str) -> tuple[float, list[int]]:
+def run_pipeline(args, kind: str, policy: str) -> tuple[float, list[int]]:
+    from training.hardware import thread_environment
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     n = args.stages
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(n),
-           "LOCAL_WORLD_SIZE": str(n), "DS_ACCELERATOR": "cpu",
-           "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n))}
-    argv = [sys.executable, __file__, *sys.argv[1:], "--worker", kind]
+           "LOCAL_WORLD_SIZE": str(n), "DS_ACCELERATOR": "cpu", **thread_environment(policy, n)}
+    argv = [sys.executable, __file__, *sys.argv[1:], "--worker", kind, "--fused-head", str(args.fused_head).lower()]
     procs = [subprocess.Popen(argv, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in range(n)]
     outs = [p.communicate()[0] for p in procs]
@@ -154,39 +162,51 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="timed steps (best one counts)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=1, help="alternate single/pipeline this many times")
+    parser.add_argument("--threads", default="split,shared", help="pipeline thread policies to compare")
+    parser.add_argument("--fused-head", default="true", help="LM-head paths to compare: true, false or both")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
+        args.fused_head = args.fused_head == "true"
         return worker(args)
 
     import torch
 
-    from training.engine import flops_per_token, matmul_flops_per_s
+    from training.engine import flops_per_token
+    from training.hardware import describe, matmul_flops_per_s
 
     torch.set_num_threads(os.cpu_count() or 1)
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
     peak = max(matmul_flops_per_s(dtype, "cpu", size=1024, seconds=1.0) for _ in range(3))
     m, p = args.micro_batches, args.stages
     shape = configs(args, "gpt2")[0]
-    print(f"CPU, {os.cpu_count()} cores; torch {torch.__version__}; preset {args.preset} ({shape.n_layer} layers, "
+    print(describe())
+    print(f"preset {args.preset} ({shape.n_layer} layers, "
           f"width {shape.n_embd}), seq_len {args.seq_len}, "
           f"global batch {args.micro_batch_size}×{m} sequences, {args.precision}; "
           f"matmul peak {peak / 1e9:.1f} GFLOP/s; bubble bound M/(M+P-1) = {m / (m + p - 1):.2f}")
+    policies, heads = args.threads.split(","), args.fused_head.split(",")
     rows = []
     for kind in args.models.split(","):
-        single, pipe = [], []
-        for _ in range(args.repeat):
-            single.append(run_single(args, kind))
-            tps, parts = run_pipeline(args, kind)
-            pipe.append(tps)
-        fpt = flops_per_token(configs(args, kind)[0], args.seq_len)
-        s, q = max(single), max(pipe)
-        rows.append((kind, s, q, q / s, fpt * s / peak, fpt * q / peak, parts))
-    print(f"\n{'model':<6} {'single tok/s':>12} {'pipeline tok/s':>14} {'ratio':>6} {'MFU single':>10} "
-          f"{'MFU pipe':>9}  partition")
-    for kind, s, q, ratio, mfu_s, mfu_q, parts in rows:
-        print(f"{kind:<6} {s:>12,.0f} {q:>14,.0f} {ratio:>5.2f}x {mfu_s:>10.1%} {mfu_q:>9.1%}  {parts}")
-    print(f"goal: pipeline ≥ 0.85× single ({'met' if all(r[3] >= 0.85 for r in rows) else 'missed'})")
+        for head in heads:
+            args.fused_head = head == "true"
+            single, pipe = [], {policy: [] for policy in policies}
+            for _ in range(args.repeat):  # alternate, so machine noise hits every variant
+                single.append(run_single(args, kind))
+                for policy in policies:
+                    tps, parts = run_pipeline(args, kind, policy)
+                    pipe[policy].append(tps)
+            fpt = flops_per_token(configs(args, kind)[0], args.seq_len)
+            s = max(single)
+            for policy in policies:
+                q = max(pipe[policy])
+                rows.append((kind, head, policy, s, q, q / s, fpt * s / peak, fpt * q / peak, parts))
+    print(f"\n{'model':<6} {'fused':>5} {'threads':>7} {'single tok/s':>12} {'pipeline tok/s':>14} {'ratio':>6} "
+          f"{'MFU single':>10} {'MFU pipe':>9}  partition")
+    for kind, head, policy, s, q, ratio, mfu_s, mfu_q, parts in rows:
+        print(f"{kind:<6} {head:>5} {policy:>7} {s:>12,.0f} {q:>14,.0f} {ratio:>5.2f}x {mfu_s:>10.1%} {mfu_q:>9.1%}  {parts}")
+    best = max(rows, key=lambda r: r[5])
+    print(f"goal: pipeline ≥ 0.85× single (best: {best[5]:.2f}× with {best[2]} threads)")
 
 
 if __name__ == "__main__":

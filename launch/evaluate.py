@@ -115,6 +115,7 @@ def evaluate(cfg, checkpoints: list[Path], split: str, out: Path, corpus: str | 
     # What the report was computed from: a rerun with the same inputs may skip (launch/demo.py does).
     report["inputs"] = fingerprint({"models": [sha256_file(model_dir_of(p) / "model.safetensors") for p in checkpoints],
                                     "chunk_store": store.fingerprint, "split": split, "eval": vars(cfg.eval),
+                                    "align_neighbours": cfg.retrieval.align_neighbours,
                                     "neighbours": neighbours.manifest["fingerprint"] if neighbours else None,
                                     "curve": [n.manifest["fingerprint"] for _, _, n in curve]})
     out.mkdir(parents=True, exist_ok=True)

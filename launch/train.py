@@ -15,7 +15,11 @@ import os
 import sys
 from pathlib import Path
 
-import torch
+# CPU pipeline stages take turns: a waiting stage's OpenMP threads must sleep, not spin, for the
+# busy stage to use their cores (train.cpu_threads). libgomp reads this once, when torch loads.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 from data.config import ConfigError
 from data.readers import DataError
@@ -91,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+        from training.hardware import cpu_threads
+
+        torch.set_num_threads(cpu_threads(cfg.train.cpu_threads, int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     import deepspeed
     from deepspeed.utils import logger as ds_logger
     import logging

@@ -168,14 +168,12 @@ def test_retro_copies_its_neighbours_continuation():
     """Encoder + CCA carry neighbour content: on random tokens whose neighbours hold the exact next
     chunk, RETRO learns to copy (loss far below ln V) in a few dozen steps, while without
     neighbours, with another sequence's or with one-chunk-late neighbours the loss stays at chance."""
-    from training.optim import parameter_groups
-
     torch.manual_seed(0)
     V, m, l, b = 256, 8, 4, 16
     cfg = ModelConfig(kind="retro", vocab_size=V, n_positions=m * l, n_layer=2, n_head=2, n_embd=64,
                       encoder_layers=1, encoder_embd=32, encoder_head=2, chunk_len=m)
     net = Retro(cfg)
-    opt = torch.optim.AdamW(parameter_groups(net, position_bias_lr=0.2, weight_decay=0.0), lr=1e-2, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0)
     g = torch.Generator().manual_seed(1)
 
     def loss(kind: str) -> torch.Tensor:
@@ -201,17 +199,3 @@ def test_retro_copies_its_neighbours_continuation():
     chance = math.log(V)
     assert result["on"] < 0.1 * chance, result
     assert min(result["off"], result["shuffled"], result["late"]) > 0.9 * chance, result
-
-
-def test_parameter_groups_decay_matrices_and_speed_up_the_position_bias():
-    from training.optim import parameter_groups
-
-    net = Retro(tiny())
-    groups = parameter_groups(net, position_bias_lr=0.5, weight_decay=0.1)
-    names = {id(p): n for n, p in net.named_parameters()}
-    decayed, plain, position = ([names[id(p)] for p in g["params"]] for g in groups)
-    assert all(net.get_parameter(n).ndim >= 2 for n in decayed) and any("wte" in n for n in decayed)
-    assert any(n.endswith("ln_1.weight") for n in plain) and all(net.get_parameter(n).ndim < 2 for n in plain)
-    assert position and all(n.endswith("position_bias") for n in position)
-    assert groups[2]["lr"] == 0.5 and groups[0]["weight_decay"] == 0.1 and groups[1]["weight_decay"] == 0.0
-    assert len(decayed) + len(plain) + len(position) == len(list(net.parameters()))

@@ -88,8 +88,10 @@ class ChunkedCrossAttention(nn.Module):
         m = self.chunk_len = cfg.chunk_len
         self.ln = nn.LayerNorm(cfg.n_embd)
         self.attn = Attention(cfg.n_embd, cfg.encoder_embd, cfg.n_embd, cfg.n_head, cfg.dropout, cfg.rotary_base)
-        # One logit bias per head and offset j − q in [-(2m-2), m]: 3m - 1 offsets.
+        # One logit bias per head and offset j − q in [-(2m-2), m]: 3m - 1 offsets, applied as
+        # position_bias_scale × the parameter (ModelConfig: the bias must learn fast).
         self.position_bias = nn.Parameter(torch.zeros(cfg.n_head, 3 * m - 1))
+        self.position_bias_scale = cfg.position_bias_scale
 
     def forward(self, h: torch.Tensor, encoded: torch.Tensor, neighbours: torch.Tensor) -> torch.Tensor:
         # h (b, n, d); encoded (b, l, k, r, e); neighbours (b, l, k, r) int64, -1 = missing.
@@ -103,7 +105,7 @@ class ChunkedCrossAttention(nn.Module):
         q_pos = torch.arange(m - 1, 2 * m - 1, device=h.device)
         k_pos = torch.arange(r, device=h.device).repeat(k)  # every neighbour starts at offset 0
         offsets = k_pos[None, :] - q_pos[:, None] + 2 * m - 2   # (m, k r), indices into position_bias
-        bias = self.position_bias[:, offsets][None]            # (1, heads, m, k r)
+        bias = self.position_bias_scale * self.position_bias[:, offsets][None]   # (1, heads, m, k r)
         y = self.attn(q, context, q_pos, k_pos, mask, bias)  # ((b l), m, d)
         y = y * rearrange(any_valid, "B 1 1 1 -> B 1 1").to(y.dtype)  # no neighbour → exact zero
         y = rearrange(y, "(b l) m d -> b (l m) d", b=b)

@@ -47,6 +47,12 @@ class ModelConfig:
     # neighbours' token embeddings through to the CCA's output, training/retro.py
     # init_identity_path: learns to copy in tens of steps) or "normal" (GPT-2's N(0, 0.02)).
     retrieval_init: str = "identity"
+    # RETRO only. The CCA's relative position bias is this constant times its parameter, so that
+    # Adam moves it ~scale × lr per step: it must shift by whole logits for a layer to attend
+    # "same position in the neighbour", which at the trunk's rate takes thousands of steps. (A
+    # multiplier, not an optimizer group: DeepSpeed's pipelined ZeRO needs the same groups on
+    # every stage.) 0 turns the bias off.
+    position_bias_scale: float = 100.0
 
     def __post_init__(self):
         require(self.kind in ("gpt2", "retro"), "model.kind", f"must be 'gpt2' or 'retro', got {self.kind!r}")
@@ -69,6 +75,7 @@ class ModelConfig:
                     "RETRO needs an even encoder head width encoder_embd / encoder_head")
             require(self.encoder_layers >= 1, "model.encoder_layers", "must be >= 1 for RETRO")
         require(not self.freeze_trunk or self.kind == "retro", "model.freeze_trunk", "only applies to kind 'retro'")
+        require(self.position_bias_scale >= 0, "model.position_bias_scale", "must be >= 0")
         require(self.retrieval_init in ("identity", "normal"), "model.retrieval_init",
                 f"must be 'identity' or 'normal', got {self.retrieval_init!r}")
 
@@ -113,14 +120,17 @@ class TrainConfig:
     min_lr: float = 1.0e-4
     warmup_steps: int = 20
     weight_decay: float = 0.1
-    # Peak learning rate of the CCA's relative position bias (training/optim.py), on the same schedule.
-    position_bias_lr: float = 0.2
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
     # "bf16", "fp16" (GPU only), "fp32", or "auto": bf16 where the hardware has bf16 matmuls
-    # (GPUs that support it, CPUs with AVX512-BF16/AMX), else fp32 (CPU bf16 emulation is ~5× slower).
+    # (GPUs that support it, CPUs with AVX512-BF16/AMX), else fp16 on older GPUs and fp32 on other CPUs
+    # (CPU bf16 emulation is several times slower).
     precision: str = "auto"
+    # CPU threads per process (training/hardware.py): "shared" = every process may use all cores
+    # (a waiting pipeline stage lends its cores to the busy one), "split" = cores / processes each.
+    # OMP_NUM_THREADS, when set, wins.
+    cpu_threads: str = "shared"
     # Recompute activations every N layers in backward (0 = off): trades compute for memory.
     activation_checkpoint_interval: int = 0
     # The output head and cross-entropy fused, over slices of tokens (training/lm_head.py): the
@@ -146,10 +156,11 @@ class TrainConfig:
             require(getattr(self, key) >= 1, f"train.{key}", f"must be >= 1, got {getattr(self, key)}")
         require(self.partition in ("cost", "uniform", "parameters"), "train.partition",
                 f"must be 'cost', 'uniform' or 'parameters', got {self.partition!r}")
+        require(self.cpu_threads in ("shared", "split"), "train.cpu_threads",
+                f"must be 'shared' or 'split', got {self.cpu_threads!r}")
         require(self.precision in ("auto", "bf16", "fp16", "fp32"), "train.precision",
                 f"must be 'auto', 'bf16', 'fp16' or 'fp32', got {self.precision!r}")
         require(0 < self.lr and 0 <= self.min_lr <= self.lr, "train.min_lr", "need 0 <= min_lr <= lr, lr > 0")
-        require(self.position_bias_lr >= 0, "train.position_bias_lr", "must be >= 0")
         require(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
         require(self.eval_every >= 0 and self.eval_batches >= 1, "train.eval_every", "eval_every >= 0, eval_batches >= 1")
         require(self.activation_checkpoint_interval >= 0, "train.activation_checkpoint_interval", "must be >= 0")

@@ -73,20 +73,6 @@ def flops_per_token(model_cfg, seq_len: int) -> float:
     return 6 * n + 12 * model_cfg.n_layer * model_cfg.n_embd * seq_len
 
 
-def matmul_flops_per_s(dtype: torch.dtype, device: str, size: int = 1024, seconds: float = 0.3) -> float:
-    """This process's dense matmul FLOP/s in dtype: the peak that MFU is measured against."""
-    a = torch.randn(size, size, device=device).to(dtype)
-    b = torch.randn(size, size, device=device).to(dtype)
-    a @ b
-    n, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        a @ b
-        n += 1
-    if device != "cpu":
-        torch.cuda.synchronize()
-    return 2 * size**3 * n / (time.perf_counter() - start)
-
-
 def check_tied_weights(engine, when: str) -> None:
     """Fail loudly when the stages' copies of the tied embedding differ (every rank raises)."""
     from training.pipeline import tied_weights_max_diff
@@ -108,7 +94,6 @@ def _to_pipe(batch: dict, retro: bool):
 
 class Trainer:
     def __init__(self, cfg, store, neighbours, run_dir: Path, log=print):
-        from training.optim import parameter_groups
         from training.pipeline import build_pipeline, deepspeed_config
         import deepspeed
 
@@ -122,7 +107,7 @@ class Trainer:
         if cfg.model.freeze_trunk:
             from training.retro import freeze_trunk
             freeze_trunk(module)
-        params = parameter_groups(module, self.t.position_bias_lr, self.t.weight_decay)
+        params = [p for p in module.parameters() if p.requires_grad]
         self.engine, *_ = deepspeed.initialize(model=module, model_parameters=params, config=deepspeed_config(self.t))
         check_tied_weights(self.engine, "at the start of training")
         grid = self.engine.grid
@@ -225,6 +210,8 @@ class Trainer:
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.t.precision]
+        from training.hardware import matmul_flops_per_s
+
         peak = torch.tensor(matmul_flops_per_s(dtype, device))
         dist.all_reduce(peak)  # the whole world's peak
         fpt = flops_per_token(self.cfg.model, self.t.seq_len)

@@ -29,16 +29,16 @@ SHUFFLE_SEED = 0
 
 
 def shuffled_order(doc_index: np.ndarray, seed: int = SHUFFLE_SEED) -> np.ndarray:
-    """A permutation p of the chunks with doc_index[p[u]] != doc_index[u] wherever possible (seeded)."""
+    """A permutation p of the chunks with doc_index[p[u]] != doc_index[u] for every u (seeded), as long
+    as no document holds more than half of the chunks: chunks are laid out document by document
+    (documents in random order) and each takes the chunk half the layout away."""
     n = len(doc_index)
     rng = np.random.default_rng(seed)
-    order = rng.permutation(n)
-    for _ in range(8):  # re-draw the few that landed in their own document
-        clash = np.flatnonzero(doc_index[order] == doc_index)
-        if not len(clash) or n < 2:
-            break
-        swap = rng.integers(0, n, len(clash))
-        order[clash], order[swap] = order[swap], order[clash]
+    docs, inverse = np.unique(doc_index, return_inverse=True)
+    rank = rng.permutation(len(docs))[inverse]                       # each chunk's document's random place
+    layout = np.lexsort((np.arange(n), rank))                        # chunks, grouped by document
+    order = np.empty(n, dtype=np.int64)
+    order[layout] = layout[(np.arange(n) + n // 2) % n]
     return order
 
 

@@ -67,6 +67,24 @@ def describe() -> str:
             f"precision auto = {resolve_precision('auto')}")
 
 
+def cpu_threads(policy: str, local_processes: int) -> int:
+    """Threads per process of a CPU run with `local_processes` processes on this machine.
+
+    "split": cores / processes each, every process on its own cores. "shared": every process may
+    use all cores. Pipeline stages take turns (a stage waits while its neighbour computes), so with
+    "split" a waiting stage's cores idle; with "shared" and OMP_WAIT_POLICY=PASSIVE (waiting
+    threads sleep instead of spinning) the busy stage gets them. docs/benchmarks.md measures both.
+    """
+    cores = os.cpu_count() or 1
+    return cores if policy == "shared" else max(1, cores // max(local_processes, 1))
+
+
+def thread_environment(policy: str, local_processes: int) -> dict[str, str]:
+    """The OpenMP environment of a process under `policy` (read when torch loads: set it before)."""
+    return {"OMP_NUM_THREADS": str(cpu_threads(policy, local_processes)),
+            "OMP_WAIT_POLICY": "PASSIVE" if policy == "shared" else "ACTIVE"}
+
+
 def matmul_flops_per_s(dtype=None, device: str = "cpu", size: int = 1024, seconds: float = 0.3) -> float:
     """This process's dense matmul FLOP/s in dtype (best of repeated size² products): the one peak
     that every MFU figure (training log, bench/model_step.py) is measured against."""

@@ -1,0 +1,87 @@
+"""Benchmark the LM head + cross-entropy: the plain path (all logits at once) vs the fused, sliced one.
+
+    python bench/lm_head.py [--tokens 1024] [--d 128] [--repeat 3] [--slice 256]
+
+One micro-batch of the demo's shape (4 × 256 tokens, width 128, GPT-2's 50,257-way tied head),
+forward + backward with respect to h and the tied matrix, fp32. Each variant runs in a fresh
+process (so peak RSS is its own) and variants alternate `--repeat` times so machine noise hits
+both; the best time and the peak-RSS growth over the process's baseline are printed, with
+their ratios. The fused path computes the same loss and gradients (tests/test_model.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+VOCAB = 50257
+
+
+def worker(args) -> None:
+    import torch
+
+    from training.lm_head import lm_loss
+    from training.model import loss_fn
+
+    torch.manual_seed(0)
+    h = torch.randn(1, args.tokens, args.d, requires_grad=True)
+    w = (torch.randn(VOCAB, args.d) * 0.02).requires_grad_()
+    labels = torch.randint(0, VOCAB, (1, args.tokens))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    best = float("inf")
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        if args.worker == "fused":
+            loss = lm_loss(h, w, labels, slice_tokens=args.slice)
+        else:
+            loss = loss_fn(h @ w.t(), labels)
+        loss.backward()
+        best = min(best, time.perf_counter() - t0)
+        h.grad = w.grad = None
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    print("RESULT " + json.dumps({"seconds": best, "peak_rss_growth_mb": grown / 1024}), flush=True)
+
+
+def run(variant: str) -> dict:
+    out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--worker", variant], capture_output=True,
+                         text=True, check=True).stdout
+    return json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=1024, help="tokens per micro-batch (4 × 256 in the demo)")
+    parser.add_argument("--d", type=int, default=128, help="model width")
+    parser.add_argument("--slice", type=int, default=256, help="tokens per slice of the fused path")
+    parser.add_argument("--steps", type=int, default=4, help="timed forward+backward passes per process")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+    from training.hardware import describe
+
+    print(describe())
+    print(f"{args.tokens} tokens × width {args.d} → {VOCAB:,} logits; fp32; {os.cpu_count()} threads; "
+          f"fused slices of {args.slice} tokens")
+    results = {"plain": [], "fused": []}
+    for _ in range(args.repeat):
+        for variant in results:
+            results[variant].append(run(variant))
+    best = {v: (min(r["seconds"] for r in rs), max(r["peak_rss_growth_mb"] for r in rs)) for v, rs in results.items()}
+    for v, (s, mb) in best.items():
+        print(f"{v:<6} {s * 1000:8.1f} ms   peak RSS growth {mb:7.1f} MB")
+    (ps, pm), (fs, fm) = best["plain"], best["fused"]
+    print(f"fused / plain: time {fs / ps:.2f}×, peak memory growth {fm / max(pm, 1e-9):.2f}×")
+
+
+if __name__ == "__main__":
+    main()
