@@ -139,7 +139,7 @@ def run_ray(runner: RayEmbedRunner, spec: EmbedSpec, jobs: list[EmbedJob]) -> tu
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--chunks", type=int, default=1000, help="training chunks embedded per measurement")
     parser.add_argument("--corpus", default=DEFAULT_CORPUS)
     parser.add_argument("--max-documents", type=int, default=3000, help="documents prepared (0 = all)")

@@ -101,7 +101,7 @@ def queries_per_second(fn, n_queries: int, min_seconds: float = 1.0) -> float:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=1_000_000, help="database vectors")
     parser.add_argument("--dim", type=int, default=384, help="all-MiniLM-L6-v2's width")
     parser.add_argument("--clusters", type=int, default=1000)

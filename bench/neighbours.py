@@ -65,7 +65,7 @@ def fresh_build(tmp: Path) -> tuple[ChunkStore, Embeddings]:
 
 def main(argv=None) -> int:
     defaults = RetrievalConfig()
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", default=None, help="a finished build to read (default: build one)")
     parser.add_argument("--factory", action="append", help="index to query (repeatable; default Flat and IVF64,PQ32)")
     parser.add_argument("--k", type=int, default=defaults.k)

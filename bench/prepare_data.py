@@ -32,7 +32,7 @@ def peak_rss_mb() -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--corpus", default=DEFAULT_CORPUS)
     parser.add_argument("--max-documents", type=int, default=0)
     parser.add_argument("--docs-per-shard", type=int, default=256)

@@ -147,7 +147,7 @@ def run_pipeline(args, kind: str, policy: str) -> tuple[float, list[int]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="gpt2,retro")
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--n-layer", type=int, default=0, help="override the preset's layers")

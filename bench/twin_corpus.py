@@ -47,18 +47,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--corpus", default=str(ROOT / "corpus" / "jargon_devil.jsonl.gz"))
     parser.add_argument("--drop", type=float, default=0.15, help="share of sentences the twin drops")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--edited-only", action="store_true",
+                        help="write only the edited copies: a second edition to add to a database (retrieval.corpora)")
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
     records = []
     for doc in read_documents(args.corpus, bad=BadRecords("skip")):
-        records.append({"id": doc.source_id, "text": doc.text})
+        if not args.edited_only:
+            records.append({"id": doc.source_id, "text": doc.text})
         records.append({"id": f"{doc.source_id}#twin", "text": edited(doc.text, args.drop, rng)})
     rng.shuffle(records)
     tmp = args.out.with_name(args.out.name + ".tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
     tmp.replace(args.out)
-    print(f"wrote {len(records):,} documents ({len(records) // 2:,} twins) to {args.out}")
+    print(f"wrote {len(records):,} documents to {args.out}")
     return 0
 
 

@@ -16,7 +16,6 @@ which writes database.json (retrieval/database.py).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -25,6 +24,7 @@ import numpy as np
 
 from data.alignment import MIN_MATCH_FRACTION, aligned_windows, best_shifts
 from data.readers import DataError
+from data.stage import read_json
 from data.store import ChunkStore, SplitChunks
 
 DATABASE_FILE = "database.json"
@@ -56,12 +56,9 @@ class Database:
     def __init__(self, root: str | Path):
         self.root = Path(root)
         path = self.root / DATABASE_FILE
-        if not path.is_file():
+        self.manifest = read_json(path, rerun=f"build it again: {REBUILD}")
+        if self.manifest is None:
             raise DataError(f"no retrieval database at {self.root} (missing {path}); build it: {REBUILD}")
-        try:
-            self.manifest = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}: corrupt database manifest ({e}); build it again: {REBUILD}") from None
         self.fingerprint: str = self.manifest["fingerprint"]
         self.parts: list[Part] = []
         for entry in self.manifest["parts"]:

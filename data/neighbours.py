@@ -19,13 +19,13 @@ Plain numpy (no faiss, no ray): training imports this, never `retrieval`.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
 from data.database import DATABASE_FILE, REBUILD, Database, resolve_part_path
 from data.readers import DataError
+from data.stage import read_json
 from data.store import ChunkStore
 
 
@@ -48,12 +48,9 @@ class NeighbourStore:
         self.align = align  # retrieval.align_neighbours: windows aligned to their query chunk
         self.chunk_store = chunk_store
         path = self.dir / "manifest.json"
-        if not path.exists():
+        self.manifest = read_json(path, rerun=f"run: {REBUILD}")
+        if self.manifest is None:
             raise DataError(f"no neighbours at {self.dir} (missing {path}); run: {REBUILD}")
-        try:
-            self.manifest = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}: corrupt manifest ({e}); run: {REBUILD}") from None
         built_for = self.manifest.get("chunk_store_fingerprint")
         if built_for != chunk_store.fingerprint:
             raise DataError(f"stale neighbours: {path} was built for chunk store {built_for}, but "

@@ -45,7 +45,7 @@ def open_chunk_store(data_dir: Path, workdir: str) -> ChunkStore:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = add_config_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    parser = add_config_args(argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     parser.add_argument("--address", default=None, help="Ray cluster address (default: local or RAY_ADDRESS)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)

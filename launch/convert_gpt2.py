@@ -19,7 +19,7 @@ from training.model_io import ModelFormatError, load_model, save_model, write_di
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--from-hf", metavar="HF_DIR", help="Hugging Face GPT-2 directory to import")
     source.add_argument("--to-hf", metavar="DIR", help="our model directory (kind gpt2) to export")

@@ -59,7 +59,7 @@ def is_newer(path: Path, inputs: list[Path]) -> bool:
 def main(argv: list[str] | None = None) -> int:
     from launch.config import load_config
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/tiny.yaml")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--nproc", type=int, default=2, help="DeepSpeed processes (CPU: over gloo)")

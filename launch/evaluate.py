@@ -126,7 +126,7 @@ def evaluate(cfg, checkpoints: list[Path], split: str, out: Path, corpus: str | 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = add_config_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    parser = add_config_args(argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     parser.add_argument("--checkpoint", action="append", required=True, type=Path,
                         help="a run directory or a model directory (repeatable)")
     parser.add_argument("--split", default=None, choices=["validation", "train"], help="default: validation")

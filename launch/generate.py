@@ -138,7 +138,7 @@ def print_retrievals(r: Result) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = add_config_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    parser = add_config_args(argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     parser.add_argument("--checkpoint", required=True, type=Path, help="a run directory or a model directory")
     parser.add_argument("--prompt", default="", help="text to continue (default: none, a new document)")
     parser.add_argument("--max-new-tokens", type=int, default=128)

@@ -20,7 +20,7 @@ from launch.ray_utils import RayExecutor
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = add_config_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    parser = add_config_args(argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     parser.add_argument("--address", default=None, help="Ray cluster address (default: local or RAY_ADDRESS)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)

@@ -73,7 +73,7 @@ def preflight(cfg, world_size: int):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = add_config_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    parser = add_config_args(argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # from the launcher
     args = parser.parse_args(argv)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
