@@ -135,7 +135,7 @@ def run_pipeline(args, kind: str, policy: str) -> tuple[float, list[int]]:
         port = s.getsockname()[1]
     n = args.stages
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(n),
-           "LOCAL_WORLD_SIZE": str(n), "DS_ACCELERATOR": "cpu", **thread_environment(policy, n)}
+           "LOCAL_WORLD_SIZE": str(n), "DS_ACCELERATOR": "cpu", **thread_environment(policy, n, n)}
     argv = [sys.executable, __file__, *sys.argv[1:], "--worker", kind, "--fused-head", str(args.fused_head).lower()]
     procs = [subprocess.Popen(argv, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in range(n)]

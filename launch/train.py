@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
         from training.hardware import cpu_threads
 
-        torch.set_num_threads(cpu_threads(cfg.train.cpu_threads, int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        torch.set_num_threads(cpu_threads(cfg.train.cpu_threads, local, cfg.train.pipeline_stages))
     import deepspeed
     from deepspeed.utils import logger as ds_logger
     import logging

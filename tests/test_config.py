@@ -79,3 +79,13 @@ def test_chunk_len_has_one_source_of_truth():
     assert cfg.model.chunk_len == 32
     with pytest.raises(ConfigError, match="set data.chunk_len instead"):
         load_config(None, ["model.chunk_len=16"])
+
+
+def test_cpu_threads_share_a_pipelines_cores_not_another_replicas(monkeypatch):
+    from training import hardware
+
+    monkeypatch.setattr(hardware.os, "cpu_count", lambda: 8)
+    assert hardware.cpu_threads("shared", local_processes=2, stages=2) == 8    # one pipeline: its stages take turns
+    assert hardware.cpu_threads("shared", local_processes=4, stages=2) == 4    # two replicas side by side
+    assert hardware.cpu_threads("split", local_processes=4, stages=2) == 2
+    assert hardware.thread_environment("shared", 2, 2) == {"OMP_NUM_THREADS": "8", "OMP_WAIT_POLICY": "PASSIVE"}

@@ -67,21 +67,25 @@ def describe() -> str:
             f"precision auto = {resolve_precision('auto')}")
 
 
-def cpu_threads(policy: str, local_processes: int) -> int:
+def cpu_threads(policy: str, local_processes: int, stages: int = 1) -> int:
     """Threads per process of a CPU run with `local_processes` processes on this machine.
 
-    "split": cores / processes each, every process on its own cores. "shared": every process may
-    use all cores. Pipeline stages take turns (a stage waits while its neighbour computes), so with
+    "split": cores / processes each, every process on its own cores. "shared": the stages of one
+    pipeline share that pipeline's cores (all of them, unless data-parallel replicas run on the
+    same machine). Pipeline stages take turns (a stage waits while its neighbour computes), so with
     "split" a waiting stage's cores idle; with "shared" and OMP_WAIT_POLICY=PASSIVE (waiting
     threads sleep instead of spinning) the busy stage gets them. docs/benchmarks.md measures both.
     """
-    cores = os.cpu_count() or 1
-    return cores if policy == "shared" else max(1, cores // max(local_processes, 1))
+    cores, local = os.cpu_count() or 1, max(local_processes, 1)
+    if policy == "shared":
+        replicas = max(1, local // max(min(stages, local), 1))  # pipelines running side by side here
+        return max(1, cores // replicas)
+    return max(1, cores // local)
 
 
-def thread_environment(policy: str, local_processes: int) -> dict[str, str]:
+def thread_environment(policy: str, local_processes: int, stages: int = 1) -> dict[str, str]:
     """The OpenMP environment of a process under `policy` (read when torch loads: set it before)."""
-    return {"OMP_NUM_THREADS": str(cpu_threads(policy, local_processes)),
+    return {"OMP_NUM_THREADS": str(cpu_threads(policy, local_processes, stages)),
             "OMP_WAIT_POLICY": "PASSIVE" if policy == "shared" else "ACTIVE"}
 
 
