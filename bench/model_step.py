@@ -36,18 +36,16 @@ def sync(device: str) -> None:
 
 
 def matmul_flops(device: str, dtype: torch.dtype, size: int, reps: int) -> float:
-    """Best achieved FLOP/s of a size×size matmul: the denominator of the MFU."""
+    """Best achieved FLOP/s of a size×size matmul: the denominator of the MFU, measured as the
+    training log measures it (training/hardware.py), for about `reps` products."""
+    from training.hardware import matmul_flops_per_s
+
     a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-    a @ b
-    best = float("inf")
-    for _ in range(reps):
-        sync(device)
-        t0 = time.perf_counter()
-        a @ b
-        sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * size**3 / best
+    sync(device)
+    t0 = time.perf_counter()
+    a @ a
+    sync(device)
+    return matmul_flops_per_s(dtype, device, size, seconds=reps * (time.perf_counter() - t0))
 
 
 def one_step(model, batch, device: str, dtype: torch.dtype) -> float:
