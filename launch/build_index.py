@@ -12,7 +12,6 @@ docs/retrieval.md). Every stage is skipped when complete and resumes after a cra
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
@@ -21,7 +20,8 @@ from data.config import ConfigError
 from data.readers import DataError
 from data.store import ChunkStore
 from data.tokenizer import TokenizerError
-from launch.config import add_config_args, config_from_args, save_config
+from launch.cli import config_from_args, entry_parser, quiet_engines
+from launch.config import save_config
 from launch.ray_utils import RayExecutor
 
 
@@ -45,10 +45,10 @@ def open_chunk_store(data_dir: Path, workdir: str) -> ChunkStore:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = add_config_args(argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
+    parser = entry_parser(__doc__)
     parser.add_argument("--address", default=None, help="Ray cluster address (default: local or RAY_ADDRESS)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
+    quiet_engines(args.verbose)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     from retrieval.build import build_retrieval, summary

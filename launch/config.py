@@ -9,9 +9,7 @@ multiple of `data.chunk_len`) live here because no single section can see both s
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import os
 import typing
 from dataclasses import dataclass, field
@@ -207,21 +205,3 @@ def save_config(cfg: Config, out_dir: str | os.PathLike) -> Path:
     tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     os.replace(tmp, out)
     return out
-
-
-def add_config_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--config", default=None, help="YAML config (e.g. configs/tiny.yaml)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override one config key, e.g. --set data.chunk_len=32 (repeatable)")
-    return parser
-
-
-def config_from_args(args: argparse.Namespace) -> Config:
-    return load_config(args.config, args.overrides)
-
-
-def fingerprint_config(section) -> str:
-    """A stable hash of a config section, for refusing to mix outputs of different configs."""
-    import hashlib
-    blob = json.dumps(dataclasses.asdict(section), sort_keys=True).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]

@@ -9,17 +9,17 @@ directory and moved into place; an existing --out is only replaced with --force.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
+from launch.cli import entry_parser
 from training.hf_interop import HFFormatError, gpt2_from_hf, save_hf
 from training.model import GPT2
 from training.model_io import ModelFormatError, load_model, save_model, write_dir_atomically
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = entry_parser(__doc__, config=False, progress=False)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--from-hf", metavar="HF_DIR", help="Hugging Face GPT-2 directory to import")
     source.add_argument("--to-hf", metavar="DIR", help="our model directory (kind gpt2) to export")

@@ -12,7 +12,6 @@ entry points; each skips work that is already complete, so rerunning the demo is
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import subprocess
@@ -57,15 +56,16 @@ def is_newer(path: Path, inputs: list[Path]) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from launch.cli import config_from_args, entry_parser, quiet_engines
     from launch.config import load_config
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="configs/tiny.yaml")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser = entry_parser(__doc__, progress=False)
+    parser.set_defaults(config="configs/tiny.yaml")
     parser.add_argument("--nproc", type=int, default=2, help="DeepSpeed processes (CPU: over gloo)")
     args = parser.parse_args(argv)
+    quiet_engines(args.verbose)
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = config_from_args(args)
     except ValueError as e:
         print(f"demo: error: {e}", file=sys.stderr)
         return 2

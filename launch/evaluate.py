@@ -15,7 +15,6 @@ launch/build_index.py (a bigger one, say) instead of <workdir>/retrieval: no ret
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import re
@@ -24,7 +23,8 @@ from pathlib import Path
 
 from data.config import ConfigError
 from data.readers import DataError
-from launch.config import add_config_args, config_from_args, save_config
+from launch.cli import config_from_args, entry_parser, quiet_engines
+from launch.config import save_config
 
 
 def model_dir_of(path: Path) -> Path:
@@ -126,7 +126,7 @@ def evaluate(cfg, checkpoints: list[Path], split: str, out: Path, corpus: str | 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = add_config_args(argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
+    parser = entry_parser(__doc__, device=True)
     parser.add_argument("--checkpoint", action="append", required=True, type=Path,
                         help="a run directory or a model directory (repeatable)")
     parser.add_argument("--split", default=None, choices=["validation", "train"], help="default: validation")
@@ -137,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="retrieve from this database (a <workdir>/retrieval built by launch/build_index.py) "
                              "instead of the config's")
     parser.add_argument("--out", type=Path, default=None, help="report directory (default <workdir>/reports)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
+    quiet_engines(args.verbose)
     if args.corpus and args.split:
         parser.error("--corpus evaluates a whole held-out corpus; --split applies to the training data only")
     try:

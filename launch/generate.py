@@ -14,7 +14,6 @@ its neighbours (→ their continuations).
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ import numpy as np
 from data.config import ConfigError
 from data.readers import DataError
 from data.tokenizer import TokenizerError
-from launch.config import add_config_args, config_from_args
+from launch.cli import config_from_args, entry_parser, quiet_engines
 from launch.evaluate import model_dir_of
 
 
@@ -138,7 +137,7 @@ def print_retrievals(r: Result) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = add_config_args(argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
+    parser = entry_parser(__doc__, device=True)
     parser.add_argument("--checkpoint", required=True, type=Path, help="a run directory or a model directory")
     parser.add_argument("--prompt", default="", help="text to continue (default: none, a new document)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -152,8 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--database", type=Path, default=None,
                         help="retrieve from this database (a <workdir>/retrieval built by launch/build_index.py) "
                              "instead of the config's")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     args = parser.parse_args(argv)
+    quiet_engines(args.verbose)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

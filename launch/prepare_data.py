@@ -8,22 +8,22 @@ Reads data.corpus, tokenizes and chunks it in parallel Ray tasks, and writes
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from data.config import ConfigError
 from data.prepare import prepare, summary
 from data.readers import DataError
 from data.tokenizer import TokenizerError
-from launch.config import add_config_args, config_from_args, save_config
+from launch.cli import config_from_args, entry_parser, quiet_engines
+from launch.config import save_config
 from launch.ray_utils import RayExecutor
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = add_config_args(argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
+    parser = entry_parser(__doc__)
     parser.add_argument("--address", default=None, help="Ray cluster address (default: local or RAY_ADDRESS)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
+    quiet_engines(args.verbose)
     executor = None
     try:
         cfg = config_from_args(args)

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 
 from data.config import ConfigError
 from data.readers import DataError
-from launch.config import add_config_args, config_from_args
+from launch.cli import config_from_args, entry_parser, quiet_engines
 
 
 def run_dir_of(cfg) -> Path:
@@ -73,9 +73,10 @@ def preflight(cfg, world_size: int):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = add_config_args(argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
+    parser = entry_parser(__doc__, progress=False)
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # from the launcher
     args = parser.parse_args(argv)
+    quiet_engines(args.verbose)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     os.environ.setdefault("LOCAL_RANK", str(args.local_rank or 0))
     from training.engine import TrainingError, claim_run_dir
