@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from training.config import ModelConfig  # noqa: E402
+from training.flops import flops_per_token, mfu  # noqa: E402
 from training.model import GPT2, loss_fn  # noqa: E402
 from training.retro import Retro  # noqa: E402
 
@@ -70,11 +71,6 @@ def step_times(runs: dict, device: str, dtype: torch.dtype, warmup: int, iters: 
             if i >= warmup:
                 best[name] = min(best[name], t)
     return best
-
-
-def flops_per_token(model, cfg: ModelConfig, seq_len: int) -> float:
-    n_params = sum(p.numel() for p in model.parameters()) - cfg.n_positions * cfg.n_embd
-    return 6 * n_params + 12 * cfg.n_layer * cfg.n_head * (cfg.n_embd // cfg.n_head) * seq_len
 
 
 def main(argv=None) -> int:
@@ -126,7 +122,7 @@ def main(argv=None) -> int:
             for kind, (cfg, model) in models.items():
                 n = sum(p.numel() for p in model.parameters())
                 rows.append((preset, label, kind, n, batch_size, best[kind], best[kind] / best["gpt2"],
-                             flops_per_token(model, cfg, seq_len)))
+                             flops_per_token(cfg, seq_len)))
                 print(f"  measured {preset} {label} {kind}: {best[kind]:.3f} s/step", flush=True)
         del models
     measure_peak()
@@ -137,7 +133,7 @@ def main(argv=None) -> int:
     for preset, label, kind, n, batch_size, t, ratio, fpt in rows:
         tps = batch_size * seq_len / t
         print(f"{preset:<11} {label:<5} {kind:<6} {n:>12,} {batch_size:>5} {t:>8.3f} {tps:>10,.0f} "
-              f"{tps * fpt / peak[label]:>6.1%} {f'{ratio:.2f}x' if kind == 'retro' else '':>10}")
+              f"{mfu(fpt, tps, peak[label]):>6.1%} {f'{ratio:.2f}x' if kind == 'retro' else '':>10}")
     return 0
 
 

@@ -73,7 +73,7 @@ def run_single(args, kind: str) -> float:
     import torch
 
     from training.model import fused_loss_fn, loss_fn
-    from training.pipeline import build_sequential_seeded
+    from training.layers import build_sequential_seeded
 
     torch.set_num_threads(os.cpu_count() or 1)
     model_cfg, train = configs(args, kind)
@@ -172,7 +172,7 @@ def main() -> None:
 
     import torch
 
-    from training.engine import flops_per_token
+    from training.flops import flops_per_token, mfu
     from training.hardware import describe, matmul_flops_per_s
 
     torch.set_num_threads(os.cpu_count() or 1)
@@ -200,7 +200,7 @@ def main() -> None:
             s = max(single)
             for policy in policies:
                 q = max(pipe[policy])
-                rows.append((kind, head, policy, s, q, q / s, fpt * s / peak, fpt * q / peak, parts))
+                rows.append((kind, head, policy, s, q, q / s, mfu(fpt, s, peak), mfu(fpt, q, peak), parts))
     print(f"\n{'model':<6} {'fused':>5} {'threads':>7} {'single tok/s':>12} {'pipeline tok/s':>14} {'ratio':>6} "
           f"{'MFU single':>10} {'MFU pipe':>9}  partition")
     for kind, head, policy, s, q, ratio, mfu_s, mfu_q, parts in rows:

@@ -46,7 +46,7 @@ def preflight(cfg, world_size: int):
     if t.pipeline_stages > len(descs):
         raise ConfigError("train.pipeline_stages", f"{t.pipeline_stages} stages for a model of "
                           f"{len(descs)} pipeline layers")
-    from training.pipeline import partition
+    from training.partition import partition
     try:  # a cut where every stage trains (frozen trunk: a CCA layer per stage) must exist
         partition(descs, t.pipeline_stages, t.partition, frozen_trunk=cfg.model.freeze_trunk)
     except ValueError as e:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
 import shutil
 import time
 from pathlib import Path
@@ -29,7 +28,9 @@ import torch.distributed as dist
 import yaml
 
 from training.data import SequenceBatches, micro_batches
+from training.flops import flops_per_token, mfu
 from training.retro import is_retrieval_parameter
+from training.rng import rng_state, set_rng_state
 
 STATE_FILE, LATEST = "state.json", "latest.json"
 
@@ -42,35 +43,6 @@ def atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
-
-
-# --- RNG state as tensors, so torch.load(weights_only=True) can read it -----------------------
-
-def rng_state() -> dict:
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    return {"torch": torch.get_rng_state(), "python": repr(random.getstate()),
-            "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)]}
-
-
-def set_rng_state(state: dict) -> None:
-    import ast
-
-    torch.set_rng_state(state["torch"])
-    random.setstate(ast.literal_eval(state["python"]))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-
-
-# --- throughput accounting ----------------------------------------------------------------------
-
-def flops_per_token(model_cfg, seq_len: int) -> float:
-    """nanoGPT's estimate: 6N + 12·L·H·Q·T (N without position embeddings; H·Q = n_embd)."""
-    from training.model_io import build_model
-
-    with torch.device("meta"):
-        model = build_model(model_cfg)
-    n = sum(p.numel() for name, p in model.named_parameters() if not name.startswith("wpe"))
-    return 6 * n + 12 * model_cfg.n_layer * model_cfg.n_embd * seq_len
 
 
 def check_tied_weights(engine, when: str) -> None:
@@ -224,7 +196,7 @@ class Trainer:
             losses[step] = loss
             record = {"step": step, "loss": loss, "lr": self.engine.get_lr()[0],
                       "grad_norm": _float(self.engine.get_global_grad_norm()),
-                      "tokens_per_s": self.tokens_per_step / dt, "mfu": fpt * self.tokens_per_step / dt / float(peak)}
+                      "tokens_per_s": self.tokens_per_step / dt, "mfu": mfu(fpt, self.tokens_per_step / dt, float(peak))}
             if (self.t.eval_every and step % self.t.eval_every == 0) or step == self.t.steps:
                 val = self.validate()
                 if val is not None:

@@ -2,6 +2,8 @@
 
     layer_list(cfg) -> list[LayerDesc]     # GPT-2 or RETRO, per cfg.kind
     build_sequential(cfg) -> LayerSequence  # the list run in-process (CPU tests, no DeepSpeed)
+    build_sequential_seeded(cfg, seed)      # the same, each layer built under seed + its index,
+                                            # as every pipeline stage builds it (training/pipeline.py)
 
 Activations between layers (the pipeline contract; ids int64, everything else float):
 
@@ -16,9 +18,10 @@ float crossing a layer boundary is differentiated downstream: `embedded` feeds t
 `encoded` the CCAs, and the last CCA drops both.
 
 Tying: the three `wte` entries share tie_key "embed" and one `TokenEmbedding` module; they differ
-by forward_fn(module, x). A DeepSpeed adapter maps each LayerDesc to
-`TiedLayerSpec(d.tie_key, d.cls, **d.kwargs, forward_fn=d.forward_fn)` when d.tie_key is set
-(tied_weight_attr "weight", the default) and to `LayerSpec(d.cls, **d.kwargs)` otherwise.
+by forward_fn(module, x). The DeepSpeed adapter (training/pipeline.py `layer_specs`) builds the
+first use as a `TiedLayerSpec` of a subclass whose own forward is that use (DeepSpeed saves a tied
+module only through a use without forward_fn) and the later uses as
+`TiedLayerSpec(d.tie_key, d.cls, forward_fn=d.forward_fn)`; untied layers are `LayerSpec`s.
 `d.name` is the layer's prefix in the GPT2/Retro state dict ("wte", "wpe", "blocks.5", "ln_f").
 `d.cost` estimates forward GFLOPs per sequence of n_positions tokens (k = 2 neighbours of
 2 · chunk_len tokens) for cost-balanced partitioning.
@@ -26,6 +29,7 @@ by forward_fn(module, x). A DeepSpeed adapter maps each LayerDesc to
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass, field
 from typing import Callable
@@ -144,3 +148,27 @@ class LayerSequence(nn.Module):
 
 def build_sequential(cfg: ModelConfig, fused_head: bool = False) -> LayerSequence:
     return LayerSequence(cfg, layer_list(cfg, fused_head))
+
+
+@contextlib.contextmanager
+def seeded(seed: int):
+    """Draw from torch's CPU generator as if freshly seeded, leaving the caller's state untouched."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def seeded_class(cls: type, seed: int) -> type:
+    """`cls` whose constructor draws its initial weights under `seed`."""
+    def __init__(self, *args, **kwargs):
+        with seeded(seed):
+            cls.__init__(self, *args, **kwargs)
+    return type(cls.__name__, (cls,), {"__init__": __init__})
+
+
+def build_sequential_seeded(cfg: ModelConfig, seed: int, fused_head: bool = False) -> LayerSequence:
+    """The single-process twin of the pipeline: layer i is built under seed + i, as the stage
+    holding it builds it, so the weights do not depend on the cut (2-stage loss == 1-stage loss)."""
+    descs = [LayerDesc(d.name, seeded_class(d.cls, seed + i), d.kwargs, d.tie_key, d.forward_fn, d.cost)
+             for i, d in enumerate(layer_list(cfg, fused_head=fused_head))]
+    return LayerSequence(cfg, descs)

@@ -8,8 +8,8 @@ the models themselves are plain torch (training/layers.py).
   first use gets a subclass whose own forward is that use (same parameter names).
 - Layers are built under a per-layer seed, so a stage builds exactly the weights the same
   layer has in a 1-stage run or in `build_sequential` (2-stage loss == 1-stage loss).
-- Stages are cut by estimated cost (`LayerDesc.cost`) with `partition_balanced`, not by
-  parameter count: RETRO layers and the encoder cost more than their parameters suggest.
+- Stages are cut at the boundaries training/partition.py computes (by estimated cost by default:
+  RETRO layers and the encoder cost more than their parameters suggest).
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ if not torch.cuda.is_available():  # skip DeepSpeed's accelerator probing (and i
 import deepspeed  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec  # noqa: E402
-from deepspeed.runtime.utils import partition_uniform  # noqa: E402
 
 from training.config import ModelConfig, TrainConfig  # noqa: E402
-from training.layers import LayerDesc, layer_list  # noqa: E402
+from training.layers import LayerDesc, layer_list, seeded  # noqa: E402
 from training.model import fused_loss_fn, loss_fn  # noqa: E402
+from training.partition import partition  # noqa: E402
 
 # DeepSpeed JIT-compiles a shared-memory allreduce for CPU on first use (~90 s); gloo does the
 # same job without a C++ build, so never build it.
@@ -62,76 +62,11 @@ def deepspeed_config(train: TrainConfig) -> dict:
     }
 
 
-def _min_max_partition(weights: list[float], stages: int, valid) -> list[int] | None:
-    """Boundaries minimising the costliest stage, over cuts where valid(start, stop) holds (DP)."""
-    n, inf = len(weights), float("inf")
-    prefix = [0.0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
-    # best[s][i]: the lowest max-stage cost of layers [0, i) in s stages; cut[s][i]: the last cut.
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0.0
-    for s in range(1, stages + 1):
-        for i in range(s, n + 1):
-            for j in range(s - 1, i):
-                if best[s - 1][j] < inf and valid(j, i):
-                    cost = max(best[s - 1][j], prefix[i] - prefix[j])
-                    if cost < best[s][i]:
-                        best[s][i], cut[s][i] = cost, j
-    if best[stages][n] == inf:
-        return None
-    parts = [n]
-    for s in range(stages, 0, -1):
-        parts.append(cut[s][parts[-1]])
-    return parts[::-1]
-
-
-def partition(descs: list[LayerDesc], stages: int, method: str, frozen_trunk: bool = False) -> list[int]:
-    """Stage boundaries [0, ..., len(descs)]: stage s runs layers parts[s]:parts[s+1].
-
-    Every stage must own a gradient: a stage of tied layers alone (e.g. the LM head, whose
-    vocabulary matmul dominates small models) has none of its own, which DeepSpeed's optimizers
-    reject; with a frozen trunk (RETRO-fit) only RETRO layers train, so each stage needs one
-    (and stage 0's outputs then require grad, as the pipe's backward needs).
-    """
-    if stages > len(descs):
-        raise ValueError(f"train.pipeline_stages={stages} exceeds the model's {len(descs)} pipeline layers")
-
-    def valid(start: int, stop: int) -> bool:
-        layers = descs[start:stop]
-        if frozen_trunk:
-            return any(d.cls.__name__ == "RetroBlock" for d in layers)
-        return not all(d.tie_key for d in layers)
-
-    if method == "uniform":
-        parts = [int(p) for p in partition_uniform(len(descs), stages)]
-        if not all(valid(a, b) for a, b in zip(parts, parts[1:])):
-            raise ValueError(f"train.partition=uniform: the uniform cut {parts} leaves a stage without a layer "
-                             f"that trains; use train.partition=cost, which searches for a valid cut")
-    else:
-        if method == "cost":
-            weights = [d.cost for d in descs]
-        else:  # parameters, counted without building: a tied layer counts once
-            seen, weights = set(), []
-            for d in descs:
-                weights.append(0 if d.tie_key in seen else sum(p.numel() for p in d.build().parameters()))
-                seen.add(d.tie_key) if d.tie_key else None
-        parts = _min_max_partition(weights, stages, valid)
-    if parts is None:
-        need = "a RETRO (CCA) layer, as only those train with a frozen trunk" if frozen_trunk else \
-            "a layer of its own besides the tied embedding"
-        raise ValueError(f"train.pipeline_stages={stages}: no '{method}' partition of the model's "
-                         f"{len(descs)} pipeline layers gives every stage {need}")
-    return parts
-
-
 class _SeededSpec:
     """Build a layer under its own seed: the weights do not depend on which stage builds them."""
 
     def build(self, log=False):
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.seed)
+        with seeded(self.seed):
             return super().build(log=log)
 
 
@@ -200,25 +135,6 @@ def build_pipeline(model: ModelConfig, train: TrainConfig) -> tuple[RetroPipeMod
                              activation_checkpoint_interval=train.activation_checkpoint_interval,
                              checkpointable_layers=["Block", "RetroBlock"])
     return module, descs, parts
-
-
-def build_sequential_seeded(model: ModelConfig, seed: int, fused_head: bool = False) -> torch.nn.Module:
-    """The single-process twin of build_pipeline: same layers, same per-layer seeds."""
-    from training.layers import LayerSequence
-
-    descs = layer_list(model, fused_head=fused_head)
-    seeded = []
-    for i, d in enumerate(descs):
-        seeded.append(LayerDesc(d.name, _seeded_class(d.cls, seed + i), d.kwargs, d.tie_key, d.forward_fn, d.cost))
-    return LayerSequence(model, seeded)
-
-
-def _seeded_class(cls: type, seed: int) -> type:
-    def __init__(self, *args, **kwargs):
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            cls.__init__(self, *args, **kwargs)
-    return type(cls.__name__, (cls,), {"__init__": __init__})
 
 
 def gather_state_dict(engine, descs: list[LayerDesc]) -> dict[str, torch.Tensor] | None:

@@ -1,0 +1,82 @@
+"""The plain parts of training (no DeepSpeed, no subprocesses): RNG state, FLOPs, seeded layers."""
+
+import io
+import random
+
+import numpy as np
+import torch
+
+from training.config import ModelConfig
+from training.flops import flops_per_token, mfu
+from training.layers import build_sequential, build_sequential_seeded, layer_list, seeded
+from training.rng import rng_state, set_rng_state
+
+SHAPE = dict(n_head=2, n_embd=32, n_positions=64, encoder_layers=1, encoder_embd=16, encoder_head=2, chunk_len=16)
+
+
+def draws():
+    return torch.rand(3).tolist(), random.random(), np.random.rand(2).tolist(), np.random.randn()
+
+
+def test_rng_state_round_trips_through_a_weights_only_file():
+    torch.manual_seed(1), random.seed(2), np.random.seed(3)
+    np.random.randn()  # leaves a cached Gaussian in NumPy's state, which must survive too
+    buf = io.BytesIO()
+    torch.save(rng_state(), buf)
+    expected = draws()
+    torch.manual_seed(99), random.seed(99), np.random.seed(99)
+    assert draws() != expected
+    buf.seek(0)
+    set_rng_state(torch.load(buf, weights_only=True))
+    assert draws() == expected
+
+
+def test_flops_per_token_equals_a_hand_count():
+    d, layers, vocab, t = 32, 2, 50257, 64
+    cfg = ModelConfig(kind="gpt2", n_layer=layers, **SHAPE)
+    # Per block: ln_1 and ln_2 (2d each), c_attn (3d² + 3d), attn c_proj (d² + d), c_fc (4d² + 4d),
+    # mlp c_proj (4d² + d) = 12d² + 13d. Plus the tied embedding (counted once) and ln_f; the
+    # position embedding is a lookup and is left out.
+    n = vocab * d + layers * (12 * d * d + 13 * d) + 2 * d
+    assert flops_per_token(cfg, t) == 6 * n + 12 * layers * d * t
+    # GPT-2 small, nanoGPT's figure: 6 · 123,653,376 + 12 · 12 · 768 · 1024.
+    assert flops_per_token(ModelConfig.preset("gpt2-124m"), 1024) == 855_166_464
+    assert mfu(1e6, 2e3, 4e9) == 0.5
+
+
+def test_flops_of_retro_count_its_retrieval_parameters():
+    gpt2, retro = (flops_per_token(ModelConfig(kind=k, n_layer=4, **SHAPE), 64) for k in ("gpt2", "retro"))
+    assert retro > gpt2
+
+
+def test_seeded_layers_do_not_depend_on_what_else_is_built():
+    cfg = ModelConfig(kind="retro", n_layer=4, **SHAPE)
+    model = build_sequential_seeded(cfg, seed=5)
+    again = build_sequential_seeded(cfg, seed=5)
+    for (name, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b), name
+    # A pipeline stage builds only its own layers, each under seed + its index: the same weights.
+    descs = layer_list(cfg)
+    assert [d.name for d in descs[:5]] == ["wte", "wpe", "blocks.0", "wte", "blocks.1"]
+    for i in (1, 2, 4):  # wpe, a Block, the first RetroBlock (with the encoder)
+        torch.manual_seed(123)  # whatever the global state: the layer's seed decides
+        with seeded(5 + i):
+            alone = descs[i].build()
+        for pname, p in alone.state_dict().items():
+            assert torch.equal(p, model.state_dict()[f"{descs[i].name}.{pname}"]), (descs[i].name, pname)
+    other = build_sequential_seeded(cfg, seed=6).state_dict()
+    assert not torch.equal(other["wpe.weight"], model.state_dict()["wpe.weight"])
+    # build_sequential (unseeded) runs the same list: same names, same outputs for the same weights.
+    plain = build_sequential(cfg)
+    plain.load_state_dict(model.state_dict())
+    tokens = torch.randint(0, 100, (1, 64))
+    assert torch.equal(plain(tokens), model(tokens))
+
+
+def test_seeded_leaves_the_global_generator_alone():
+    torch.manual_seed(0)
+    expected = torch.rand(2)
+    torch.manual_seed(0)
+    with seeded(42):
+        torch.rand(5)
+    assert torch.equal(torch.rand(2), expected)
