@@ -4,13 +4,12 @@
 
 On CPU DeepSpeed runs the processes over gloo; on GPUs over NCCL, multi-node with a hostfile.
 World size = train.pipeline_stages × data-parallel degree. A run resumes from its newest
-checkpoint when rerun, and is skipped once complete (see training/engine.py for the run layout).
+checkpoint when rerun, and is skipped once complete (training/run_dir.py describes the run directory).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -23,7 +22,9 @@ import torch  # noqa: E402
 
 from data.config import ConfigError
 from data.readers import DataError
+from data.stage import write_json
 from launch.cli import config_from_args, entry_parser, quiet_engines
+from training.run_dir import TrainingError, claim_run_dir
 
 
 def run_dir_of(cfg) -> Path:
@@ -33,7 +34,6 @@ def run_dir_of(cfg) -> Path:
 def preflight(cfg, world_size: int):
     """Every check that can fail before any process group or model exists; returns the data."""
     from data.store import ChunkStore
-    from training.engine import TrainingError
     from training.config import resolve_precision
     from training.layers import layer_list
 
@@ -79,7 +79,6 @@ def main(argv: list[str] | None = None) -> int:
     quiet_engines(args.verbose)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     os.environ.setdefault("LOCAL_RANK", str(args.local_rank or 0))
-    from training.engine import TrainingError, claim_run_dir
 
     try:
         cfg = config_from_args(args)
@@ -100,39 +99,35 @@ def main(argv: list[str] | None = None) -> int:
 
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         torch.set_num_threads(cpu_threads(cfg.train.cpu_threads, local, cfg.train.pipeline_stages))
-    import deepspeed
-    from deepspeed.utils import logger as ds_logger
-    import logging
+    from training.engine import Trainer, check_tied_weights
+    from training.pipeline import Pipeline, init_distributed
 
-    ds_logger.setLevel(logging.WARNING)
-    from training.pipeline import gather_state_dict  # also disables the shm op build
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-    from training.engine import Trainer, atomic_write_text, check_tied_weights
-
+    init_distributed()
     try:
-        trainer = Trainer(cfg, store, neighbours, run_dir)
+        pipe = Pipeline(cfg.model, cfg.train)
+        trainer = Trainer(cfg, pipe, store, neighbours, run_dir)
     except TrainingError as e:
         if rank == 0:
             print(f"train: error: {e}", file=sys.stderr)
         return 2
     if rank == 0:
-        layers = [[d.name for d in trainer.descs[a:b]] for a, b in zip(trainer.parts, trainer.parts[1:])]
-        costs = [round(sum(d.cost for d in trainer.descs[a:b]), 3) for a, b in zip(trainer.parts, trainer.parts[1:])]
-        atomic_write_text(run_dir / "partition.json", json.dumps({"parts": trainer.parts, "layers": layers,
-                                                                  "gflops": costs}, indent=1))
-        print(f"pipeline: {cfg.train.pipeline_stages} stages × {trainer.dp_world} data parallel, "
+        parts, descs = pipe.parts, pipe.descs
+        layers = [[d.name for d in descs[a:b]] for a, b in zip(parts, parts[1:])]
+        costs = [round(sum(d.cost for d in descs[a:b]), 3) for a, b in zip(parts, parts[1:])]
+        write_json(run_dir / "partition.json", {"parts": parts, "layers": layers, "gflops": costs})
+        print(f"pipeline: {cfg.train.pipeline_stages} stages × {pipe.dp_world} data parallel, "
               f"{cfg.train.precision}; "
-              f"partition {trainer.parts} (GFLOPs per stage {costs})")
+              f"partition {parts} (GFLOPs per stage {costs})")
         for s, names in enumerate(layers):
             print(f"  stage {s}: {', '.join(names)}")
     result = trainer.fit()
     try:
-        check_tied_weights(trainer.engine, "at the end of training")
+        check_tied_weights(pipe, "at the end of training")
     except TrainingError as e:
         if rank == 0:
             print(f"train: error: {e}; the run is not marked complete", file=sys.stderr)
         return 1
-    state = gather_state_dict(trainer.engine, trainer.descs)
+    state = pipe.gather_state_dict()
     if rank == 0:
         from training.model_io import build_model, save_model
 
@@ -141,9 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         save_model(model, run_dir / "model")
         summary = {"complete": True, "steps": cfg.train.steps, "resumed_from": result["start_step"],
                    "final_loss": result["losses"].get(cfg.train.steps), "val_loss": result["val_loss"],
-                   "tied_embedding_max_diff": 0.0, "partition": trainer.parts,
+                   "tied_embedding_max_diff": 0.0, "partition": pipe.parts,
                    "model_dir": str(run_dir / "model")}
-        atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=1))
+        write_json(run_dir / "summary.json", summary)
         print(f"train: done; model in {run_dir / 'model'}; final loss {summary['final_loss']:.4f}"
               + (f", validation loss {result['val_loss']:.4f}" if result["val_loss"] is not None else ""))
     return 0

@@ -212,7 +212,7 @@ def test_retrofit_trains_only_cca_and_encoder_on_two_stages(retro_workdir):
 
 
 def test_a_run_directory_refuses_another_run_but_not_other_stage_settings(tmp_path):
-    from training.engine import TrainingError, claim_run_dir
+    from training.run_dir import TrainingError, claim_run_dir
 
     def cfg(*overrides):
         return load_config(ROOT / "configs" / "tiny-retro.yaml", [f"workdir={tmp_path}", *TINY, *overrides])

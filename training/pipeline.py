@@ -1,20 +1,25 @@
-"""The DeepSpeed adapter: the models' layer list as a `PipelineModule`, its config, its export.
+"""The DeepSpeed adapter: the one module of training/ that imports `deepspeed`.
 
-Everything DeepSpeed-specific about the model lives here (and the loop in training/engine.py);
-the models themselves are plain torch (training/layers.py).
+The models (training/model.py, retro.py, layers.py), the partition search (partition.py) and the
+training loop (engine.py) are plain torch; launch/train.py builds a `Pipeline` here and hands it to
+the loop, which trains through its methods (train_batch, eval_batch, save, load, ...) without
+knowing DeepSpeed. What lives here:
 
-- Each `LayerDesc` becomes a `LayerSpec`, or a `TiedLayerSpec('embed', ...)` for the token
-  embedding. DeepSpeed saves a tied module only through its use *without* forward_fn, so the
-  first use gets a subclass whose own forward is that use (same parameter names).
-- Layers are built under a per-layer seed, so a stage builds exactly the weights the same
-  layer has in a 1-stage run or in `build_sequential` (2-stage loss == 1-stage loss).
-- Stages are cut at the boundaries training/partition.py computes (by estimated cost by default:
-  RETRO layers and the encoder cost more than their parameters suggest).
+- The layer list as a `PipelineModule`: each `LayerDesc` becomes a `LayerSpec`, the token
+  embedding's uses a `TiedLayerSpec("embed", ...)`. DeepSpeed saves a tied module only through its
+  use *without* forward_fn, so the first use gets a subclass whose own forward is that use (same
+  parameter names); later uses pass their forward_fn.
+- Layers are built under a per-layer seed (training/layers.py `seeded`), so a stage builds exactly
+  the weights the same layer has in a 1-stage run or in `build_sequential_seeded`.
+- Stages are cut at the boundaries training/partition.py computes.
+- DeepSpeed's JSON config, generated from ours; warm starts into a stage's layers; checkpoints;
+  the full model gathered from the stages; the tied-embedding check.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -28,7 +33,10 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec  # noqa: E40
 from training.config import ModelConfig, TrainConfig  # noqa: E402
 from training.layers import LayerDesc, layer_list, seeded  # noqa: E402
 from training.model import fused_loss_fn, loss_fn  # noqa: E402
+from training.model_io import load_pretrained  # noqa: E402
 from training.partition import partition  # noqa: E402
+from training.retro import freeze_trunk, is_retrieval_parameter  # noqa: E402
+from training.run_dir import TrainingError  # noqa: E402
 
 # DeepSpeed JIT-compiles a shared-memory allreduce for CPU on first use (~90 s); gloo does the
 # same job without a C++ build, so never build it.
@@ -137,41 +145,113 @@ def build_pipeline(model: ModelConfig, train: TrainConfig) -> tuple[RetroPipeMod
     return module, descs, parts
 
 
-def gather_state_dict(engine, descs: list[LayerDesc]) -> dict[str, torch.Tensor] | None:
-    """The full model's fp32 weights (from the optimizer's master copy) on global rank 0.
+def init_distributed() -> None:
+    """The process group: gloo on CPU, NCCL on GPUs (ranks from the launcher's environment)."""
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
 
-    Names are the monolithic model's (`LayerDesc.name` + parameter name), so the result loads
-    into GPT2 / Retro and is saved with training.save_model.
+
+class Pipeline:
+    """This rank's stage of the DeepSpeed pipeline engine, seen through what the loop needs.
+
+    warm_start: copy train.init_from's weights in (False when a checkpoint is loaded next anyway).
     """
-    from deepspeed.utils import safe_get_full_fp32_param
 
-    module = engine.module
-    local = {}
-    if engine.grid.get_data_parallel_rank() == 0:
-        for j, layer in enumerate(module.forward_funcs):
-            if not isinstance(layer, torch.nn.Module):
-                continue  # a tied layer's second use: its weights are saved with the first
-            name = descs[module._local_start + j].name
-            for pname, p in layer.named_parameters():
-                full = safe_get_full_fp32_param(p)
-                local[f"{name}.{pname}"] = (full if full is not None else p).detach().float().cpu()
-            for bname, b in layer.named_buffers():
-                local[f"{name}.{bname}"] = b.detach().cpu()
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, local)
-    if dist.get_rank() != 0:
-        return None
-    merged = {}
-    for part in gathered:
-        merged.update(part)
-    return merged
+    def __init__(self, model: ModelConfig, train: TrainConfig, warm_start: bool = True):
+        self.train = train
+        module, self.descs, self.parts = build_pipeline(model, train)
+        if train.init_from and warm_start:
+            self._warm_start(module, train.init_from)
+        if model.freeze_trunk:
+            freeze_trunk(module)
+        params = [p for p in module.parameters() if p.requires_grad]
+        self.engine, *_ = deepspeed.initialize(model=module, model_parameters=params, config=deepspeed_config(train))
+        grid = self.engine.grid
+        self.dp_rank, self.dp_world = grid.get_data_parallel_rank(), grid.get_data_parallel_world_size()
+        self.stage = grid.get_pipe_parallel_rank()
+        self.first, self.last = self.engine.is_first_stage(), self.engine.is_last_stage()
 
+    def _warm_start(self, module: RetroPipeModule, source_dir: str) -> None:
+        """Copy a GPT-2 checkpoint (ours or Hugging Face) into this stage's layers.
 
-def tied_weights_max_diff(engine) -> float:
-    """Largest |Δ| between the copies of the tied embedding held by the stages (0.0 = in sync)."""
-    tied = getattr(engine.module, "tied_modules", {})
-    mine = tied["embed"].weight.detach().float().cpu() if "embed" in tied else None
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
-    copies = [g for g in gathered if g is not None]
-    return max(float((c - copies[0]).abs().max()) for c in copies)
+        With model.freeze_trunk (RETRO-fit, paper §4.2) only CCA and encoder train afterwards.
+        """
+        source = load_pretrained(source_dir).state_dict()
+        layers = [(self.descs[module._local_start + j].name, layer) for j, layer in enumerate(module.forward_funcs)
+                  if isinstance(layer, torch.nn.Module)]
+        # Tied modules too: a stage that holds only a later use of the embedding (the output head
+        # on the last stage) sees it as a function in forward_funcs, not as a module.
+        tie_names = {d.tie_key: d.name for d in self.descs if d.tie_key}
+        layers += [(tie_names[key], tied) for key, tied in module.tied_modules.items()]
+        for name, layer in layers:
+            own = {k[len(name) + 1:]: v for k, v in source.items() if k.startswith(name + ".")}
+            missing, unexpected = layer.load_state_dict(own, strict=False)
+            trunk_missing = [m for m in missing if not is_retrieval_parameter(m)]
+            if trunk_missing or unexpected:
+                raise TrainingError(f"train.init_from={source_dir}: layer {name} does not match "
+                                    f"(missing {trunk_missing}, unexpected {unexpected})")
+        # DeepSpeed broadcast the tied weights when it built the module, before this copy: do it again.
+        module._synchronize_tied_weights()
+
+    # -- one optimizer step, one validation pass --
+    def train_batch(self, batches) -> float:
+        """One optimizer step over train.micro_batches micro-batches (an iterator of (inputs,
+        labels) on the first and last stage, None elsewhere); the mean loss, on every rank."""
+        return float(self.engine.train_batch(data_iter=batches))
+
+    def eval_batch(self, batches, num_micro_batches: int) -> float:
+        return float(self.engine.eval_batch(batches, num_micro_batches=num_micro_batches))
+
+    def lr(self) -> float:
+        return self.engine.get_lr()[0]
+
+    def grad_norm(self) -> float | None:
+        norm = self.engine.get_global_grad_norm()
+        return None if norm is None else float(norm)
+
+    # -- checkpoints: DeepSpeed's per-layer weights and per-rank optimizer partitions --
+    def save(self, ckpt_dir: Path, tag: str, step: int) -> None:
+        self.engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": step}, save_latest=False)
+
+    def load(self, ckpt_dir: Path, tag: str) -> None:
+        load_path, _ = self.engine.load_checkpoint(str(ckpt_dir), tag=tag)
+        if load_path is None:
+            raise TrainingError(f"checkpoint {Path(ckpt_dir) / tag} could not be loaded")
+
+    # -- the model --
+    def tied_weights_max_diff(self) -> float:
+        """Largest |Δ| between the copies of the tied embedding held by the stages (0.0 = in sync)."""
+        tied = getattr(self.engine.module, "tied_modules", {})
+        mine = tied["embed"].weight.detach().float().cpu() if "embed" in tied else None
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        copies = [g for g in gathered if g is not None]
+        return max(float((c - copies[0]).abs().max()) for c in copies)
+
+    def gather_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The full model's fp32 weights (from the optimizer's master copy) on global rank 0.
+
+        Names are the monolithic model's (`LayerDesc.name` + parameter name), so the result loads
+        into GPT2 / Retro and is saved with training.save_model.
+        """
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        module = self.engine.module
+        local = {}
+        if self.dp_rank == 0:
+            for j, layer in enumerate(module.forward_funcs):
+                if not isinstance(layer, torch.nn.Module):
+                    continue  # a tied layer's second use: its weights are saved with the first
+                name = self.descs[module._local_start + j].name
+                for pname, p in layer.named_parameters():
+                    full = safe_get_full_fp32_param(p)
+                    local[f"{name}.{pname}"] = (full if full is not None else p).detach().float().cpu()
+                for bname, b in layer.named_buffers():
+                    local[f"{name}.{bname}"] = b.detach().cpu()
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local)
+        if dist.get_rank() != 0:
+            return None
+        merged = {}
+        for part in gathered:
+            merged.update(part)
+        return merged

@@ -1,0 +1,100 @@
+"""A training run's directory: which run it holds, its checkpoints' bookkeeping, its metrics file.
+
+A run directory `<workdir>/runs/<name>/` holds:
+    config.yaml          the resolved config (a rerun with another config is refused)
+    partition.json       the stage boundaries and the layers of each stage
+    metrics.jsonl        one line per step (loss, lr, grad_norm, tokens_per_s, mfu) and per validation
+    tensorboard/         the same scalars for TensorBoard
+    checkpoints/stepNNNNNN/   DeepSpeed's per-layer checkpoint + rng_rankNNN.pt + state.json
+    checkpoints/latest.json   the newest complete checkpoint (written last, atomically)
+    model/               the exported model (config.json + model.safetensors), when done
+    summary.json         written last: the run is complete
+
+Plain files and YAML, no DeepSpeed: launch/train.py decides here, before any process group
+exists, whether a run starts, resumes or is already complete.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import yaml
+
+from data.stage import atomic_write_text, read_json, write_json
+
+STATE_FILE, LATEST = "state.json", "latest.json"
+
+
+class TrainingError(RuntimeError):
+    """A problem found before or during training, with a message meant for the user."""
+
+
+# --- which run a directory holds ---------------------------------------------------------------
+
+# Settings that change how, not what, a stage computes: a run is the same run without them.
+NOT_THE_RUN = {"data": {"num_workers"}, "retrieval": {"embed_batch_size", "embed_actors", "embed_device",
+                                                     "recall_queries"},
+               "train": {"name", "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints"}}
+
+
+def run_identity(cfg_dict: dict) -> dict:
+    """The parts of a resolved config that decide a training run's trajectory."""
+    cfg_dict = cfg_dict if isinstance(cfg_dict, dict) else {}
+    retro = (cfg_dict.get("model") or {}).get("kind") == "retro"
+    sections = ["data", "model", "train"] + (["retrieval"] if retro else [])
+    return {f"{section}.{key}": value for section in sections for key, value in (cfg_dict.get(section) or {}).items()
+            if key not in NOT_THE_RUN.get(section, ())}
+
+
+def claim_run_dir(cfg, run_dir: Path, write: bool) -> None:
+    """Claim run_dir for this config (write on one rank only); a run of another config is refused.
+
+    Only what decides the run counts (`run_identity`): evaluation settings, worker counts or
+    batch sizes of other stages may change between a run and its resume.
+    """
+    mine = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    path = run_dir / "config.yaml"
+    if path.exists():
+        theirs, ours = run_identity(yaml.safe_load(path.read_text())), run_identity(yaml.safe_load(mine))
+        changed = sorted(k for k in theirs.keys() | ours.keys() if theirs.get(k) != ours.get(k))
+        if changed:
+            raise TrainingError(f"{run_dir} holds a run with a different config ({path}: "
+                                + ", ".join(f"{k} {theirs.get(k)!r} → {ours.get(k)!r}" for k in changed[:5])
+                                + "); set train.name or workdir to start another run")
+    if write:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, mine)
+
+
+# --- checkpoints ----------------------------------------------------------------------------------
+
+def checkpoint_tag(step: int) -> str:
+    return f"step{step:06d}"
+
+
+def latest_checkpoint(ckpt_dir: Path) -> dict | None:
+    """{"tag", "step"} of the newest complete checkpoint under ckpt_dir, or None."""
+    return read_json(Path(ckpt_dir) / LATEST, rerun="rerun training without it (it restarts the run)")
+
+
+def declare_checkpoint(ckpt_dir: Path, step: int, keep: int) -> None:
+    """Mark the checkpoint of `step` complete (every rank's files are on disk), drop all but the
+    newest `keep`."""
+    tag = checkpoint_tag(step)
+    write_json(ckpt_dir / tag / STATE_FILE, {"step": step})
+    write_json(ckpt_dir / LATEST, {"tag": tag, "step": step})
+    tags = sorted(p.name for p in ckpt_dir.glob("step*") if p.is_dir())
+    for old in tags[:-keep]:
+        shutil.rmtree(ckpt_dir / old, ignore_errors=True)
+
+
+# --- metrics.jsonl ---------------------------------------------------------------------------------
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drop lines logged after the checkpoint we resume from: they will be logged again."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+    atomic_write_text(path, "".join(line + "\n" for line in keep))
