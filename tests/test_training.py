@@ -219,6 +219,12 @@ def test_a_run_directory_refuses_another_run_but_not_other_stage_settings(tmp_pa
 
     claim_run_dir(cfg(), tmp_path / "run", write=True)
     claim_run_dir(cfg("eval.stride=16", "retrieval.embed_actors=1", "data.num_workers=1"), tmp_path / "run", write=False)
+    # Each section's RUNTIME_KEYS may change; so may what only watches or keeps the run.
+    claim_run_dir(cfg("data.on_bad_record=skip", "train.eval_every=1", "train.keep_checkpoints=5"), tmp_path / "run",
+                  write=False)
+    with pytest.raises(TrainingError, match=r"retrieval\.align_neighbours True → False"):
+        # Not a key that changes the retrieval files, but one that changes what training reads.
+        claim_run_dir(cfg("retrieval.align_neighbours=false"), tmp_path / "run", write=False)
     with pytest.raises(TrainingError, match=r"train\.lr 0\.02 → 0\.01"):
         claim_run_dir(cfg("train.lr=1e-2"), tmp_path / "run", write=False)
     with pytest.raises(TrainingError, match=r"retrieval\.k"):

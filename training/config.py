@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from data.config import require
 
@@ -101,6 +102,11 @@ class ModelConfig:
 
 @dataclass
 class TrainConfig:
+    # Keys that change how a run is watched and kept, not what it computes: a rerun with other
+    # values resumes the same run (training/run_dir.py; data/stage.py output_settings).
+    RUNTIME_KEYS: ClassVar[tuple[str, ...]] = ("name", "eval_every", "eval_batches", "checkpoint_every",
+                                               "keep_checkpoints")
+
     # Run name: the directory <workdir>/runs/<name>; "" = model.kind ("gpt2" or "retro").
     name: str = ""
     # Tokens per training sequence: a run of seq_len / data.chunk_len consecutive chunks.

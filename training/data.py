@@ -84,12 +84,3 @@ def micro_batches(data: SequenceBatches, start: int, micro_batch_size: int, dp_r
         yield data.batch(sequence_ids_for(j, micro_batch_size, dp_rank, dp_world, len(data), seed))
         j += 1
 
-
-def eval_batches(data: SequenceBatches, batch_size: int, max_batches: int = 0) -> Iterator[dict[str, np.ndarray]]:
-    """The split's sequences in order (no shuffling), for validation loss."""
-    n = len(data)
-    stops = range(0, n, batch_size)
-    for i, start in enumerate(stops):
-        if max_batches and i >= max_batches:
-            return
-        yield data.batch(np.arange(start, min(start + batch_size, n)))

@@ -33,19 +33,23 @@ class TrainingError(RuntimeError):
 
 # --- which run a directory holds ---------------------------------------------------------------
 
-# Settings that change how, not what, a stage computes: a run is the same run without them.
-NOT_THE_RUN = {"data": {"num_workers"}, "retrieval": {"embed_batch_size", "embed_actors", "embed_device",
-                                                     "recall_queries"},
-               "train": {"name", "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints"}}
+# Keys of other sections that training reads although they do not change those sections' files
+# (alignment is applied when neighbours are read): they do change the run.
+TRAINING_READS = {"retrieval": ("align_neighbours",)}
 
 
-def run_identity(cfg_dict: dict) -> dict:
-    """The parts of a resolved config that decide a training run's trajectory."""
+def run_identity(cfg, cfg_dict: dict) -> dict:
+    """The parts of a resolved config (as a dict, e.g. a run's config.yaml) that decide a training
+    run's trajectory: every key of data, model, train (and retrieval for RETRO) except each
+    section's own RUNTIME_KEYS, the keys that do not change what its stage computes."""
     cfg_dict = cfg_dict if isinstance(cfg_dict, dict) else {}
     retro = (cfg_dict.get("model") or {}).get("kind") == "retro"
-    sections = ["data", "model", "train"] + (["retrieval"] if retro else [])
-    return {f"{section}.{key}": value for section in sections for key, value in (cfg_dict.get(section) or {}).items()
-            if key not in NOT_THE_RUN.get(section, ())}
+    identity = {}
+    for section in ["data", "model", "train"] + (["retrieval"] if retro else []):
+        runtime = set(getattr(type(getattr(cfg, section)), "RUNTIME_KEYS", ())) - set(TRAINING_READS.get(section, ()))
+        identity.update({f"{section}.{key}": value for key, value in (cfg_dict.get(section) or {}).items()
+                         if key not in runtime})
+    return identity
 
 
 def claim_run_dir(cfg, run_dir: Path, write: bool) -> None:
@@ -57,7 +61,7 @@ def claim_run_dir(cfg, run_dir: Path, write: bool) -> None:
     mine = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
     path = run_dir / "config.yaml"
     if path.exists():
-        theirs, ours = run_identity(yaml.safe_load(path.read_text())), run_identity(yaml.safe_load(mine))
+        theirs, ours = run_identity(cfg, yaml.safe_load(path.read_text())), run_identity(cfg, yaml.safe_load(mine))
         changed = sorted(k for k in theirs.keys() | ours.keys() if theirs.get(k) != ours.get(k))
         if changed:
             raise TrainingError(f"{run_dir} holds a run with a different config ({path}: "
