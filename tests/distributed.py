@@ -23,9 +23,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(nproc: int, args: list[str], log_dir: Path) -> list[subprocess.Popen]:
+def spawn(nproc: int, args: list[str], log_dir: Path, env: dict | None = None) -> list[subprocess.Popen]:
     port = free_port()
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc),
+    env = {**os.environ, **(env or {}), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc),
            "LOCAL_WORLD_SIZE": str(nproc), "LOCAL_SIZE": str(nproc), "DS_ACCELERATOR": "cpu",
            "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", "PYTHONUNBUFFERED": "1"}
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -62,6 +62,7 @@ def wait(procs: list[subprocess.Popen], timeout: float = 300) -> int:
         kill(procs)
 
 
-def train(nproc: int, args: list[str], log_dir: Path, timeout: float = 300) -> tuple[int, str]:
-    code = wait(spawn(nproc, args, log_dir), timeout)
+def train(nproc: int, args: list[str], log_dir: Path, timeout: float = 300, env: dict | None = None) -> tuple[int, str]:
+    """Exit code and the ranks' logs of launch/train.py on nproc processes; env adds variables."""
+    code = wait(spawn(nproc, args, log_dir, env), timeout)
     return code, "\n".join((log_dir / f"rank{r}.log").read_text() for r in range(nproc))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -23,6 +24,11 @@ from training.flops import flops_per_token, mfu
 from training.hardware import matmul_flops_per_s
 from training.rng import rng_state, set_rng_state
 from training.run_dir import TrainingError, checkpoint_tag, declare_checkpoint, latest_checkpoint, truncate_metrics
+
+# Deterministic fault injection (tests): every rank exits hard, as if killed (no cleanup, no
+# summary), right after step N has finished and, if N is a checkpoint step, been checkpointed.
+FAULT_EXIT_AFTER_STEP = "RETROPIPE_FAULT_EXIT_AFTER_STEP"
+
 
 def check_tied_weights(pipe, when: str) -> None:
     """Fail loudly when the stages' copies of the tied embedding differ (every rank raises)."""
@@ -91,6 +97,7 @@ class Trainer:
     # -- the loop --
     def fit(self) -> dict:
         start = self.resume()
+        fault_step = int(os.environ.get(FAULT_EXIT_AFTER_STEP) or 0)
         metrics_path = self.run_dir / "metrics.jsonl"
         writer = bar = None
         if self.rank == 0:
@@ -135,6 +142,8 @@ class Trainer:
                 bar.update(1)
             if step % self.t.checkpoint_every == 0 or step == self.t.steps:
                 self.save(step)
+            if step == fault_step:
+                os._exit(1)
         if self.rank == 0:
             bar.close()
             writer.close()
