@@ -10,6 +10,7 @@ checkpoint when rerun, and is skipped once complete (training/run_dir.py describ
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -37,8 +38,8 @@ def preflight(cfg, world_size: int):
     from training.config import resolve_precision
     from training.layers import layer_list
 
-    t = cfg.train
-    t.precision = resolve_precision(t.precision)
+    # What "auto" stands for here, through the constructor so the section is validated again.
+    cfg.train = t = dataclasses.replace(cfg.train, precision=resolve_precision(cfg.train.precision))
     if world_size % t.pipeline_stages:
         raise ConfigError("train.pipeline_stages", f"world size {world_size} is not divisible by "
                           f"{t.pipeline_stages} pipeline stages")
@@ -51,6 +52,8 @@ def preflight(cfg, world_size: int):
         partition(descs, t.pipeline_stages, t.partition, frozen_trunk=cfg.model.freeze_trunk)
     except ValueError as e:
         raise ConfigError("train.pipeline_stages", str(e).split(": ", 1)[-1]) from None
+    from training.pipeline import deepspeed_config
+    deepspeed_config(t)  # train.deepspeed: the pipeline engine's limits, no contradiction with train.*
     cuda = torch.cuda.is_available()
     if t.precision == "fp16" and not cuda:
         raise ConfigError("train.precision", "fp16 needs a GPU; this machine has none (use bf16 or fp32)")
@@ -100,7 +103,10 @@ def main(argv: list[str] | None = None) -> int:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         torch.set_num_threads(cpu_threads(cfg.train.cpu_threads, local, cfg.train.pipeline_stages))
     from training.engine import Trainer, check_tied_weights
-    from training.pipeline import Pipeline, init_distributed
+    from training.pipeline import Pipeline, deepspeed_config, init_distributed
+
+    if rank == 0:  # exactly what DeepSpeed is given, for the record
+        write_json(run_dir / "deepspeed_config.json", deepspeed_config(cfg.train))
 
     init_distributed()
     try:

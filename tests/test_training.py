@@ -70,6 +70,8 @@ def test_baseline_trains_on_two_pipeline_stages(reference_run):
     model = load_model(run_dir / "model")
     assert model(torch.zeros(1, 64, dtype=torch.int64)).shape == (1, 64, 50257)
     assert (run_dir / "tensorboard").is_dir() and (run_dir / "checkpoints" / "latest.json").exists()
+    ds_json = json.loads((run_dir / "deepspeed_config.json").read_text())  # what DeepSpeed was given
+    assert ds_json["zero_optimization"] == {"stage": 1} and ds_json["train_micro_batch_size_per_gpu"] == 2
 
 
 @pytest.mark.slow
@@ -122,6 +124,10 @@ def test_misconfigurations_are_refused_before_any_work(workdir):
         preflight(cfg("train.pipeline_stages=40"), 40)
     with pytest.raises(ConfigError, match="fp16 needs a GPU"):
         preflight(cfg("train.precision=fp16"), 2)
+    with pytest.raises(ConfigError, match=r"train\.deepspeed\.zero_optimization\.stage': 3: .*stage 0 or 1 only"):
+        preflight(cfg("train.deepspeed={zero_optimization: {stage: 3}}"), 2)
+    with pytest.raises(ConfigError, match=r"train\.deepspeed\.gradient_accumulation_steps': is set by train\.micro_batches"):
+        preflight(cfg("train.deepspeed={gradient_accumulation_steps: 16}"), 2)
     with pytest.raises(DataError, match="no prepared data"):
         preflight(cfg(f"workdir={workdir / 'nowhere'}"), 2)
     with pytest.raises(ConfigError, match="prepared with chunk_len 16"):

@@ -154,6 +154,11 @@ class TrainConfig:
     # model.freeze_trunk it is a RETRO-fit: only chunked cross-attention and encoder train.
     init_from: str = ""
     seed: int = 1234
+    # Deep-merged over the DeepSpeed JSON generated from this section (training/pipeline.py
+    # deepspeed_config, saved as <run>/deepspeed_config.json), e.g.
+    # {zero_optimization: {reduce_bucket_size: 50000000}}. Keys a train.* key sets are refused
+    # (the error names the train.* key), as is ZeRO stage 2 or 3 (the pipeline engine's limit).
+    deepspeed: dict = field(default_factory=dict)
 
     def __post_init__(self):
         require(self.seq_len >= 1, "train.seq_len", "must be >= 1")
@@ -170,6 +175,8 @@ class TrainConfig:
         require(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
         require(self.eval_every >= 0 and self.eval_batches >= 1, "train.eval_every", "eval_every >= 0, eval_batches >= 1")
         require(self.activation_checkpoint_interval >= 0, "train.activation_checkpoint_interval", "must be >= 0")
+        require(isinstance(self.deepspeed, dict), "train.deepspeed",
+                f"must be a mapping of DeepSpeed config keys, got {self.deepspeed!r}")
 
 
 @dataclass

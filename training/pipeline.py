@@ -30,6 +30,7 @@ import deepspeed  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec  # noqa: E402
 
+from data.config import ConfigError  # noqa: E402
 from training.config import ModelConfig, TrainConfig  # noqa: E402
 from training.layers import LayerDesc, layer_list, seeded  # noqa: E402
 from training.model import fused_loss_fn, loss_fn  # noqa: E402
@@ -43,7 +44,7 @@ from training.run_dir import TrainingError  # noqa: E402
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
-def deepspeed_config(train: TrainConfig) -> dict:
+def generated_config(train: TrainConfig) -> dict:
     """DeepSpeed's JSON config, generated from ours (never kept by hand beside it)."""
     precision = train.precision
     return {
@@ -68,6 +69,76 @@ def deepspeed_config(train: TrainConfig) -> dict:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+
+
+# DeepSpeed keys that a train.* key already sets: train.deepspeed may not say otherwise.
+OWNED_KEYS = {
+    "train_batch_size": "train.micro_batch_size and train.micro_batches (the global batch is their product "
+                        "× the data-parallel degree)",
+    "train_micro_batch_size_per_gpu": "train.micro_batch_size",
+    "gradient_accumulation_steps": "train.micro_batches",
+    "gradient_clipping": "train.grad_clip",
+    "bf16.enabled": "train.precision", "fp16.enabled": "train.precision",
+    "optimizer.params.lr": "train.lr", "optimizer.params.weight_decay": "train.weight_decay",
+    "optimizer.params.betas": "train.beta1 and train.beta2",
+    "scheduler.params.total_num_steps": "train.steps", "scheduler.params.warmup_num_steps": "train.warmup_steps",
+    "scheduler.params.cos_min_ratio": "train.min_lr (as a fraction of train.lr)",
+}
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        out.update(_flatten(value, path + ".") if isinstance(value, dict) and value else {path: value})
+    return out
+
+
+def _merge(base: dict, over: dict) -> dict:
+    """`over` deep-merged into a copy of `base` (mappings merge, anything else replaces)."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def deepspeed_config(train: TrainConfig) -> dict:
+    """The generated config with train.deepspeed deep-merged over it, checked against what the
+    pipeline engine supports and what train.* keys already set (a ConfigError naming the key).
+
+    An optimizer or scheduler of another `type` takes its own `params`: ours apply to AdamW and
+    WarmupCosineLR only (the optimizer keeps train.lr and train.weight_decay).
+    """
+    over, ours = train.deepspeed, generated_config(train)
+    for section in ("optimizer", "scheduler"):
+        if isinstance(over.get(section), dict) and over[section].get("type", ours[section]["type"]) != ours[section]["type"]:
+            params = {"lr": train.lr, "weight_decay": train.weight_decay} if section == "optimizer" else {}
+            ours[section] = {"type": over[section]["type"], "params": params}
+    generated = _flatten(ours)
+    for key, value in _flatten(over).items():
+        if not isinstance(value, dict) and any(g.startswith(key + ".") for g in generated):
+            raise ConfigError(f"train.deepspeed.{key}", f"{value!r} would replace a whole section of the generated "
+                              f"config; give the keys inside it")
+        for owned, instead in OWNED_KEYS.items():
+            # train_batch_size is never generated (DeepSpeed derives it); the rest only where generated.
+            if key == owned and (owned == "train_batch_size" or (owned in generated and generated[owned] != value)):
+                raise ConfigError(f"train.deepspeed.{owned}", f"is set by {instead}; set that instead "
+                                  f"(generated: {generated.get(owned)!r}, given: {value!r})")
+    merged = _merge(ours, over)
+    stage = merged.get("zero_optimization", {}).get("stage") if isinstance(merged.get("zero_optimization"), dict) \
+        else None
+    if stage not in (0, 1):
+        raise ConfigError("train.deepspeed.zero_optimization.stage", f"{stage!r}: DeepSpeed's pipeline engine "
+                          "supports ZeRO stage 0 or 1 only. Stage 2 reduces and partitions gradients by hooks "
+                          "as backward produces them, stage 3 also partitions (and re-gathers) parameters around "
+                          "every forward; the pipeline engine runs its own per-micro-batch schedule and reduces "
+                          "gradients once per step, and refuses both. The pipeline already splits the weights "
+                          "across stages; ZeRO-1 splits the optimizer state across data-parallel replicas")
+    if stage == 0 and train.precision == "bf16" and merged.get("data_types", {}).get("grad_accum_dtype") == "fp32":
+        raise ConfigError("train.deepspeed.zero_optimization.stage", "0 with train.precision=bf16: DeepSpeed "
+                          "accumulates bf16 gradients in fp32 only in its ZeRO-1 optimizer; keep stage 1, use "
+                          "train.precision=fp32, or also set data_types.grad_accum_dtype=bf16")
+    return merged
 
 
 class _SeededSpec:
