@@ -20,7 +20,8 @@ def test_the_passthrough_is_deep_merged_over_the_generated_config():
     assert merged["bf16"]["enabled"] is True
     assert deepspeed_config(TrainConfig()) == generated_config(TrainConfig())
     # Stating a generated value again is no contradiction.
-    same = TrainConfig(micro_batches=4, deepspeed={"gradient_accumulation_steps": 4, "zero_optimization": {"stage": 0}})
+    same = TrainConfig(micro_batches=4, grad_clip=0.0,
+                       deepspeed={"gradient_accumulation_steps": 4, "zero_optimization": {"stage": 0}})
     assert deepspeed_config(same)["zero_optimization"]["stage"] == 0
 
 
@@ -60,4 +61,9 @@ def test_bad_passthrough_shapes_are_refused():
     with pytest.raises(ConfigError, match=r"train\.deepspeed'.*must be a mapping"):
         TrainConfig(deepspeed="zero_optimization.stage=1")
     with pytest.raises(ConfigError, match=r"stage.*0 with train\.precision=bf16"):
-        deepspeed_config(TrainConfig(precision="bf16", deepspeed={"zero_optimization": {"stage": 0}}))
+        deepspeed_config(TrainConfig(precision="bf16", grad_clip=0.0, deepspeed={"zero_optimization": {"stage": 0}}))
+    # DeepSpeed's clipping without ZeRO sees only the first pipeline stage's gradients.
+    with pytest.raises(ConfigError, match=r"stage.*0 with train\.grad_clip > 0 on more than one pipeline stage"):
+        deepspeed_config(TrainConfig(precision="fp32", deepspeed={"zero_optimization": {"stage": 0}}))
+    one_stage = TrainConfig(precision="fp32", pipeline_stages=1, deepspeed={"zero_optimization": {"stage": 0}})
+    assert deepspeed_config(one_stage)["zero_optimization"]["stage"] == 0

@@ -80,3 +80,59 @@ def test_seeded_leaves_the_global_generator_alone():
     with seeded(42):
         torch.rand(5)
     assert torch.equal(torch.rand(2), expected)
+
+
+def test_weight_decay_applies_exactly_to_the_matrices():
+    from training.param_groups import GROUPS, parameter_groups
+
+    model = build_sequential(ModelConfig(kind="retro", n_layer=4, **SHAPE))
+    groups = parameter_groups(model, weight_decay=0.1)
+    assert [g["name"] for g in groups] == list(GROUPS) == ["decay", "no_decay"]
+    assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
+    decay, no_decay = ({id(p) for p in g["params"]} for g in groups)
+    named = dict(model.named_parameters())
+    assert decay == {id(p) for p in named.values() if p.dim() >= 2}
+    assert no_decay == {id(p) for p in named.values() if p.dim() < 2}
+    assert {"wte.weight", "wpe.weight", "blocks.1.cca.position_bias", "blocks.0.attn.c_attn.weight"} <= \
+        {n for n, p in named.items() if id(p) in decay}
+    assert {"blocks.0.ln_1.weight", "blocks.0.ln_1.bias", "ln_f.weight", "blocks.1.cca.attn.q.bias"} <= \
+        {n for n, p in named.items() if id(p) in no_decay}
+    # One AdamW step on zero gradients moves nothing but the decoupled decay: exactly the matrices shrink.
+    before = {n: p.detach().clone() for n, p in named.items()}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    torch.optim.AdamW(groups, lr=0.5, betas=(0.9, 0.95)).step()
+    for n, p in named.items():
+        expected = before[n] * (1 - 0.5 * 0.1) if p.dim() >= 2 else before[n]
+        assert torch.equal(p.detach(), expected), n
+
+
+def test_every_stage_gets_both_groups_even_without_a_vector():
+    from training.layers import LayerSequence
+    from training.param_groups import parameter_groups
+    from training.partition import partition
+
+    cfg = ModelConfig(kind="gpt2", n_layer=2, **SHAPE)
+    descs = layer_list(cfg)
+    parts = partition(descs, 2, "parameters")  # the embeddings outweigh the trunk: stage 0 = wte, wpe
+    assert parts == [0, 2, 6]
+    stage0 = LayerSequence(cfg, descs[:2])
+    groups = parameter_groups(stage0, weight_decay=0.1)
+    assert [g["name"] for g in groups] == ["decay", "no_decay"]
+    (placeholder,) = groups[1]["params"]  # no vector on this stage: a placeholder keeps the group
+    assert dict(stage0.named_parameters())["empty_no_decay_group"] is placeholder
+    assert placeholder.requires_grad and placeholder.numel() == 1 and float(placeholder.detach()) == 0.0
+    assert len(groups[0]["params"]) == 2  # wte, wpe
+    stage1 = LayerSequence(cfg, descs[2:])
+    assert all(len(g["params"]) > 1 for g in parameter_groups(stage1, 0.1))  # no placeholder needed
+    assert not [n for n, _ in stage1.named_parameters() if n.startswith("empty_")]
+
+
+def test_a_frozen_trunk_leaves_only_retrieval_parameters_in_the_groups():
+    from training.param_groups import parameter_groups
+    from training.retro import is_retrieval_parameter
+
+    model = build_sequential(ModelConfig(kind="retro", n_layer=4, freeze_trunk=True, **SHAPE))
+    grouped = {id(p) for g in parameter_groups(model, 0.1) for p in g["params"]}
+    for name, p in model.named_parameters():
+        assert (id(p) in grouped) == is_retrieval_parameter(name), name

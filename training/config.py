@@ -51,8 +51,8 @@ class ModelConfig:
     # RETRO only. The CCA's relative position bias is this constant times its parameter, so that
     # Adam moves it ~scale × lr per step: it must shift by whole logits for a layer to attend
     # "same position in the neighbour", which at the trunk's rate takes thousands of steps. (A
-    # multiplier, not an optimizer group: DeepSpeed's pipelined ZeRO needs the same groups on
-    # every stage.) 0 turns the bias off.
+    # multiplier, not an optimizer group with its own rate: every stage keeps the same two groups,
+    # training/param_groups.py.) 0 turns the bias off.
     position_bias_scale: float = 100.0
 
     def __post_init__(self):
@@ -120,7 +120,8 @@ class TrainConfig:
     # How layers are cut into stages: "cost" (estimated FLOPs; RETRO layers weigh more),
     # "uniform" (layer count) or "parameters".
     partition: str = "cost"
-    # Optimizer steps; AdamW with linear warmup then cosine decay to min_lr.
+    # Optimizer steps; AdamW with linear warmup then cosine decay to min_lr. weight_decay applies
+    # to matrices (>= 2 dims) only, not to biases and LayerNorm weights (training/param_groups.py).
     steps: int = 200
     lr: float = 1.0e-3
     min_lr: float = 1.0e-4

@@ -35,6 +35,7 @@ from training.config import ModelConfig, TrainConfig  # noqa: E402
 from training.layers import LayerDesc, layer_list, seeded  # noqa: E402
 from training.model import fused_loss_fn, loss_fn  # noqa: E402
 from training.model_io import load_pretrained  # noqa: E402
+from training.param_groups import parameter_groups  # noqa: E402
 from training.partition import partition  # noqa: E402
 from training.retro import freeze_trunk, is_retrieval_parameter  # noqa: E402
 from training.run_dir import TrainingError  # noqa: E402
@@ -134,6 +135,11 @@ def deepspeed_config(train: TrainConfig) -> dict:
                           "every forward; the pipeline engine runs its own per-micro-batch schedule and reduces "
                           "gradients once per step, and refuses both. The pipeline already splits the weights "
                           "across stages; ZeRO-1 splits the optimizer state across data-parallel replicas")
+    if stage == 0 and train.grad_clip > 0 and train.pipeline_stages > 1:
+        raise ConfigError("train.deepspeed.zero_optimization.stage", "0 with train.grad_clip > 0 on more than "
+                          "one pipeline stage: without ZeRO, DeepSpeed clips by the gradient norm of the first "
+                          "stage only (it counts model-parallel rank 0's gradients), so every stage would be "
+                          "clipped by a wrong norm; keep stage 1 or set train.grad_clip=0")
     if stage == 0 and train.precision == "bf16" and merged.get("data_types", {}).get("grad_accum_dtype") == "fp32":
         raise ConfigError("train.deepspeed.zero_optimization.stage", "0 with train.precision=bf16: DeepSpeed "
                           "accumulates bf16 gradients in fp32 only in its ZeRO-1 optimizer; keep stage 1, use "
@@ -252,8 +258,9 @@ class Pipeline:
             self._warm_start(module, train.init_from)
         if model.freeze_trunk:
             freeze_trunk(module)
-        params = [p for p in module.parameters() if p.requires_grad]
-        self.engine, *_ = deepspeed.initialize(model=module, model_parameters=params, config=deepspeed_config(train))
+        # The same two AdamW groups on every stage (training/param_groups.py says why).
+        groups = parameter_groups(module, train.weight_decay)
+        self.engine, *_ = deepspeed.initialize(model=module, model_parameters=groups, config=deepspeed_config(train))
         grid = self.engine.grid
         self.dp_rank, self.dp_world = grid.get_data_parallel_rank(), grid.get_data_parallel_world_size()
         self.stage = grid.get_pipe_parallel_rank()

@@ -1,0 +1,48 @@
+"""AdamW's parameter groups: weight decay on matrices, none on biases and LayerNorm weights.
+
+    groups = parameter_groups(stage_module, weight_decay=0.1)
+    # [{"name": "decay", "params": [...], "weight_decay": 0.1},
+    #  {"name": "no_decay", "params": [...], "weight_decay": 0.0}]
+
+nanoGPT's rule: a parameter with two or more dimensions (the linear layers' weights, the token
+and position embeddings, the CCA's relative position bias table) decays; vectors (biases,
+LayerNorm gains and shifts) do not: shrinking them towards zero is no useful prior.
+
+Why the same two groups, in the same order, on every pipeline stage: DeepSpeed's pipelined ZeRO-1
+optimizer all-reduces one gradient norm *per group* across the pipeline stages (a collective per
+group index), so a stage with fewer groups leaves the others waiting forever. A stage whose
+layers hold no parameter of a group (e.g. a stage of only the token and position embeddings has
+no vector) would give DeepSpeed an empty group, which its ZeRO optimizer cannot flatten; such a
+stage gets a one-element placeholder parameter in that group, registered on the stage's module
+(so DeepSpeed can name it in its checkpoints), zero, and never used by the forward: its gradient
+is zero, so it neither moves nor adds to the gradient norm.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+GROUPS = ("decay", "no_decay")
+
+
+def decays(param: torch.Tensor) -> bool:
+    return param.dim() >= 2
+
+
+def parameter_groups(module: nn.Module, weight_decay: float) -> list[dict]:
+    """The trainable parameters of `module` in the two groups of GROUPS, in that order, each
+    non-empty (a placeholder parameter is registered on `module` for an empty one)."""
+    members = {name: [] for name in GROUPS}
+    for p in module.parameters():  # each parameter once, even if tied
+        if p.requires_grad:
+            members["decay" if decays(p) else "no_decay"].append(p)
+    groups = []
+    for name in GROUPS:
+        if not members[name]:
+            placeholder = nn.Parameter(torch.zeros(1))
+            module.register_parameter(f"empty_{name}_group", placeholder)
+            members[name] = [placeholder]
+        groups.append({"name": name, "params": members[name], "weight_decay": weight_decay if name == "decay" else 0.0})
+    return groups
+
