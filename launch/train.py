@@ -26,6 +26,7 @@ from data.readers import DataError
 from data.stage import write_json
 from launch.cli import config_from_args, entry_parser, quiet_engines
 from training.run_dir import TrainingError, claim_run_dir
+from training.start import plan_start
 
 
 def run_dir_of(cfg) -> Path:
@@ -33,7 +34,8 @@ def run_dir_of(cfg) -> Path:
 
 
 def preflight(cfg, world_size: int):
-    """Every check that can fail before any process group or model exists; returns the data."""
+    """Every check of the config and the data that can fail before any process group or model
+    exists; returns the chunk store, the neighbours (RETRO) and the pipeline cut."""
     from data.store import ChunkStore
     from training.config import resolve_precision
     from training.layers import layer_list
@@ -49,7 +51,7 @@ def preflight(cfg, world_size: int):
                           f"{len(descs)} pipeline layers")
     from training.partition import partition
     try:  # a cut where every stage trains (frozen trunk: a CCA layer per stage) must exist
-        partition(descs, t.pipeline_stages, t.partition, frozen_trunk=cfg.model.freeze_trunk)
+        parts = partition(descs, t.pipeline_stages, t.partition, frozen_trunk=cfg.model.freeze_trunk)
     except ValueError as e:
         raise ConfigError("train.pipeline_stages", str(e).split(": ", 1)[-1]) from None
     from training.pipeline import deepspeed_config
@@ -72,7 +74,7 @@ def preflight(cfg, world_size: int):
         from data.neighbours import NeighbourStore
         neighbours = NeighbourStore.of(cfg.retrieval_dir, store, chunks_per_seq=t.seq_len // store.chunk_len,
                                         align=cfg.retrieval.align_neighbours)
-    return store, neighbours
+    return store, neighbours, parts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,33 +87,47 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = config_from_args(args)
-        store, neighbours = preflight(cfg, world)
+        store, neighbours, parts = preflight(cfg, world)
         run_dir = run_dir_of(cfg)
-        claim_run_dir(cfg, run_dir, write=rank == 0)  # every rank checks, so all exit together
-        if (run_dir / "summary.json").exists():
-            if rank == 0:
-                print(f"train: {run_dir} is complete (summary.json); nothing to do")
-            return 0
+        claim_run_dir(cfg, run_dir, write=False)  # every rank checks, so all exit together
+        start = plan_start(cfg, run_dir, world, parts)  # fresh, resume (or extend), branch, complete
+        claim_run_dir(cfg, run_dir, write=rank == 0)
     except (ConfigError, DataError, TrainingError) as e:
         if rank == 0:
             print(f"train: error: {e}", file=sys.stderr)
         return 2
+    if start.kind == "complete":
+        if rank == 0:
+            print(f"train: {run_dir} is complete ({cfg.train.steps} steps, summary.json); nothing to do")
+        return 0
+    if rank == 0:  # an extended run is not complete again until its new last step
+        (run_dir / "summary.json").unlink(missing_ok=True)
 
     if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
         from training.hardware import cpu_threads
 
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         torch.set_num_threads(cpu_threads(cfg.train.cpu_threads, local, cfg.train.pipeline_stages))
-    from training.engine import Trainer, check_tied_weights
-    from training.pipeline import Pipeline, deepspeed_config, init_distributed
+    from training.pipeline import deepspeed_config, init_distributed, shutdown
 
     if rank == 0:  # exactly what DeepSpeed is given, for the record
         write_json(run_dir / "deepspeed_config.json", deepspeed_config(cfg.train))
 
     init_distributed()
     try:
-        pipe = Pipeline(cfg.model, cfg.train)
-        trainer = Trainer(cfg, pipe, store, neighbours, run_dir)
+        return train(cfg, store, neighbours, run_dir, start, rank)
+    finally:
+        shutdown()
+
+
+def train(cfg, store, neighbours, run_dir: Path, start, rank: int) -> int:
+    """Build this rank's stage, train, export the model and mark the run complete; the exit code."""
+    from training.engine import Trainer, check_tied_weights
+    from training.pipeline import Pipeline
+
+    try:
+        pipe = Pipeline(cfg.model, cfg.train, warm_start=start.kind == "fresh")
+        trainer = Trainer(cfg, pipe, store, neighbours, run_dir, start)
     except TrainingError as e:
         if rank == 0:
             print(f"train: error: {e}", file=sys.stderr)
@@ -141,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         model.load_state_dict(state, strict=True)
         save_model(model, run_dir / "model")
         summary = {"complete": True, "steps": cfg.train.steps, "resumed_from": result["start_step"],
+                   "branched_from": str(start.ckpt_dir / start.tag) if start.kind == "branch" else None,
                    "final_loss": result["losses"].get(cfg.train.steps), "val_loss": result["val_loss"],
                    "tied_embedding_max_diff": 0.0, "partition": pipe.parts,
                    "model_dir": str(run_dir / "model")}

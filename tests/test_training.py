@@ -142,6 +142,69 @@ def test_parameter_groups_train_on_two_stages_in_fp32_and_bf16(workdir, referenc
     assert curve[8] < curve[1] - 0.3, curve
 
 
+def scheduled_lrs(steps: int) -> list[float]:
+    """lrs[i]: the learning rate after i + 1 optimizer steps, by DeepSpeed's WarmupCosineLR as the
+    adapter configures it for a run of `steps` steps (TINY's lr and warmup)."""
+    from deepspeed.runtime.lr_schedules import WarmupCosineLR
+    from training.pipeline import generated_config
+
+    train_cfg = load_config(ROOT / "configs" / "tiny-gpt2.yaml", [*TINY, f"train.steps={steps}"]).train
+    param = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.AdamW([param], lr=train_cfg.lr)
+    sched = WarmupCosineLR(opt, **generated_config(train_cfg)["scheduler"]["params"])
+    lrs = []
+    for _ in range(steps):
+        sched.step()
+        lrs.append(opt.param_groups[0]["lr"])
+    return lrs
+
+
+@pytest.mark.slow
+def test_a_finished_run_extends_to_more_steps(workdir, reference_run):
+    import shutil
+
+    run_dir = workdir / "runs" / "extended"
+    shutil.copytree(reference_run[0], run_dir)  # a finished 8-step run (config.yaml says train.name=ref)
+    args = ["--config", "configs/tiny-gpt2.yaml", *sets(f"workdir={workdir}", "train.name=extended", "train.steps=12")]
+    code, log = train(2, args, workdir / "logs-extended")
+    assert code == 0, log[-3000:]
+    lrs, old = scheduled_lrs(12), scheduled_lrs(8)
+    # Step 9 runs at the 12-step schedule's rate, not at the 8-step one's floor saved in the checkpoint.
+    assert f"resumed from step 8; lr {lrs[7]:.6g} next, on a schedule of 12 steps" in log, log[-2000:]
+    assert lrs[7] > 2 * old[7]
+    assert logged_steps(run_dir) == list(range(1, 13))
+    records = {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    reference = losses(reference_run[0])
+    assert all(records[s]["loss"] == reference[s] for s in range(1, 9))
+    for s in range(9, 13):
+        assert records[s]["lr"] == pytest.approx(lrs[s - 1], rel=1e-9), (s, records[s]["lr"], lrs[s - 1])
+    assert records[12]["loss"] < reference[1] - 0.3
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 12 and summary["resumed_from"] == 8
+    done = train(2, args, workdir / "logs-extended-done")
+    assert done[0] == 0 and "is complete (12 steps" in done[1]
+    code, log = train(2, [*args, "--set", "train.steps=8"], workdir / "logs-extended-fewer")
+    assert code == 2 and "config key 'train.steps'" in log and "has trained 12 steps already" in log, log[-2000:]
+    assert "Traceback" not in log
+
+
+@pytest.mark.slow
+def test_a_branch_continues_another_runs_checkpoint_exactly(workdir, reference_run):
+    source = reference_run[0] / "checkpoints" / "step000006"
+    run_dir = workdir / "runs" / "branch"
+    args = ["--config", "configs/tiny-gpt2.yaml", *sets(f"workdir={workdir}", "train.name=branch",
+                                                       f"train.branch_from={source}")]
+    code, log = train(2, args, workdir / "logs-branch")
+    assert code == 0, log[-3000:]
+    assert f"branched from {source} at step 6" in log, log[-2000:]
+    assert logged_steps(run_dir) == [7, 8]
+    branch, reference = losses(run_dir), losses(reference_run[0])
+    for step in (7, 8):  # weights, AdamW moments, schedule position and data order carried over
+        assert abs(branch[step] - reference[step]) < 1e-5, (step, branch[step], reference[step])
+    assert json.loads((run_dir / "summary.json").read_text())["branched_from"] == str(source)
+    assert json.loads((run_dir / "checkpoints" / "latest.json").read_text())["step"] == 8  # its own now
+
+
 def test_misconfigurations_are_refused_before_any_work(workdir):
     from launch.train import preflight
 
@@ -167,7 +230,16 @@ def test_misconfigurations_are_refused_before_any_work(workdir):
         preflight(cfg(config="tiny-retro.yaml"), 2)
     with pytest.raises(ConfigError, match="every stage a RETRO"):  # 2 layers hold a single CCA layer
         preflight(cfg("model.freeze_trunk=true", f"train.init_from={workdir}", config="tiny-retro.yaml"), 2)
-    # The command line: message on stderr, exit code 2, no process group started.
+    # The command line: one line on stderr naming the key, exit code 2, no process group started,
+    # nothing written.
+    for bad, key in ((f"train.init_from={workdir / 'no-such-model'}", "train.init_from"),
+                     (f"train.branch_from={workdir / 'no-such-run'}", "train.branch_from")):
+        proc = subprocess.run([sys.executable, "launch/train.py", "--config", "configs/tiny-gpt2.yaml",
+                               *sets(f"workdir={workdir}", "train.name=bad", bad)], cwd=ROOT,
+                              capture_output=True, text=True, env={**os.environ, "WORLD_SIZE": "2", "RANK": "0"})
+        assert proc.returncode == 2 and f"config key '{key}'" in proc.stderr, proc.stderr[-2000:]
+        assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert not (workdir / "runs" / "bad").exists()
     proc = subprocess.run([sys.executable, "launch/train.py", "--config", "configs/tiny-gpt2.yaml",
                            *sets(f"workdir={workdir}", "train.pipeline_stages=3")], cwd=ROOT,
                           capture_output=True, text=True, env={**os.environ, "WORLD_SIZE": "2", "RANK": "0"})

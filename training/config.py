@@ -154,6 +154,10 @@ class TrainConfig:
     # Start from this GPT-2 checkpoint (ours or a Hugging Face directory); with
     # model.freeze_trunk it is a RETRO-fit: only chunked cross-attention and encoder train.
     init_from: str = ""
+    # Start this run from another run's checkpoint: its run directory (newest checkpoint) or one
+    # of its checkpoints/stepNNNNNN directories. Weights, optimizer state, step and RNG carry
+    # over; the model, pipeline cut and process count must match (training/start.py).
+    branch_from: str = ""
     seed: int = 1234
     # Deep-merged over the DeepSpeed JSON generated from this section (training/pipeline.py
     # deepspeed_config, saved as <run>/deepspeed_config.json), e.g.
@@ -176,6 +180,8 @@ class TrainConfig:
         require(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
         require(self.eval_every >= 0 and self.eval_batches >= 1, "train.eval_every", "eval_every >= 0, eval_batches >= 1")
         require(self.activation_checkpoint_interval >= 0, "train.activation_checkpoint_interval", "must be >= 0")
+        require(not (self.init_from and self.branch_from), "train.branch_from",
+                "set train.init_from (weights only, from step 0) or train.branch_from (a whole training state), not both")
         require(isinstance(self.deepspeed, dict), "train.deepspeed",
                 f"must be a mapping of DeepSpeed config keys, got {self.deepspeed!r}")
 

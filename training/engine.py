@@ -23,7 +23,7 @@ from training.data import SequenceBatches, micro_batches
 from training.flops import flops_per_token, mfu
 from training.hardware import matmul_flops_per_s
 from training.rng import rng_state, set_rng_state
-from training.run_dir import TrainingError, checkpoint_tag, declare_checkpoint, latest_checkpoint, truncate_metrics
+from training.run_dir import TrainingError, checkpoint_tag, declare_checkpoint, truncate_metrics
 
 # Deterministic fault injection (tests): every rank exits hard, as if killed (no cleanup, no
 # summary), right after step N has finished and, if N is a checkpoint step, been checkpointed.
@@ -46,8 +46,11 @@ def _to_pipe(batch: dict, retro: bool):
 
 
 class Trainer:
-    def __init__(self, cfg, pipe, store, neighbours, run_dir: Path, log=print):
+    """start: where the run begins (training/start.py `plan_start`: fresh, resume or branch)."""
+
+    def __init__(self, cfg, pipe, store, neighbours, run_dir: Path, start, log=print):
         self.cfg, self.pipe, self.store, self.run_dir, self.log = cfg, pipe, store, Path(run_dir), log
+        self.start = start
         self.t = cfg.train
         self.retro = cfg.model.kind == "retro"
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -62,13 +65,13 @@ class Trainer:
 
     # -- checkpoints --
     def resume(self) -> int:
-        latest = latest_checkpoint(self.ckpt_dir)
-        if latest is None:
+        """Load the checkpoint the run starts from (its own, or a branch's source); the step."""
+        start = self.start
+        if start.kind not in ("resume", "branch"):
             return 0
-        tag = latest["tag"]
-        self.pipe.load(self.ckpt_dir, tag)
-        set_rng_state(torch.load(self.ckpt_dir / tag / f"rng_rank{self.rank:03d}.pt", weights_only=True))
-        return int(latest["step"])
+        self.pipe.load(start.ckpt_dir, start.tag)
+        set_rng_state(torch.load(start.ckpt_dir / start.tag / f"rng_rank{self.rank:03d}.pt", weights_only=True))
+        return start.step
 
     def save(self, step: int) -> None:
         tag = checkpoint_tag(step)
@@ -105,9 +108,11 @@ class Trainer:
             from torch.utils.tensorboard import SummaryWriter
             from tqdm import tqdm
             writer = SummaryWriter(str(self.run_dir / "tensorboard"))
-            bar = tqdm(total=self.t.steps, initial=start, desc=f"train {self.run_dir.name}", dynamic_ncols=True)
             if start:
-                self.log(f"resumed from step {start}")
+                how = (f"resumed from step {start}" if self.start.kind == "resume"
+                       else f"branched from {self.start.ckpt_dir / self.start.tag} at step {start}")
+                self.log(f"{how}; lr {self.pipe.lr():.6g} next, on a schedule of {self.t.steps} steps")
+            bar = tqdm(total=self.t.steps, initial=start, desc=f"train {self.run_dir.name}", dynamic_ncols=True)
         it = None
         if self.pipe.first or self.pipe.last:
             batches = micro_batches(self.train_data, start * self.t.micro_batches, self.t.micro_batch_size,

@@ -245,6 +245,14 @@ def init_distributed() -> None:
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
 
 
+def shutdown() -> None:
+    """Take the process group down before the interpreter exits: left to interpreter teardown,
+    gloo's threads occasionally aborted a finished rank ('terminate called without an active
+    exception', exit code -6)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 class Pipeline:
     """This rank's stage of the DeepSpeed pipeline engine, seen through what the loop needs.
 
@@ -309,9 +317,27 @@ class Pipeline:
         self.engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": step}, save_latest=False)
 
     def load(self, ckpt_dir: Path, tag: str) -> None:
+        """Weights, optimizer state and the schedule's position from a checkpoint (this run's or,
+        for a branch, another's); the hyperparameters stay this run's config."""
+        sched = self.engine.lr_scheduler
+        # What the scheduler saves besides its position (nothing, for DeepSpeed's WarmupCosineLR;
+        # other types may save their totals): keep this config's values, so a longer run decays
+        # to its own train.steps.
+        ours = {k: v for k, v in sched.state_dict().items()
+                if k not in ("last_batch_iteration", "last_epoch", "_step_count")} if sched else {}
         load_path, _ = self.engine.load_checkpoint(str(ckpt_dir), tag=tag)
         if load_path is None:
             raise TrainingError(f"checkpoint {Path(ckpt_dir) / tag} could not be loaded")
+        # The optimizer state brings the saved groups' settings: this config's decay and betas win.
+        for group in self.engine.optimizer.param_groups:
+            group["weight_decay"] = self.train.weight_decay if group.get("name", "decay") == "decay" else 0.0
+            if "betas" in group:
+                group["betas"] = (self.train.beta1, self.train.beta2)
+        if sched is not None:
+            for key, value in ours.items():
+                setattr(sched, key, value)
+            if hasattr(sched, "last_batch_iteration"):  # DeepSpeed's schedules: the lr of the next
+                sched.step(sched.last_batch_iteration)  # step under this schedule, not the saved one
 
     # -- the model --
     def tied_weights_max_diff(self) -> float:

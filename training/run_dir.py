@@ -36,6 +36,8 @@ class TrainingError(RuntimeError):
 # Keys of other sections that training reads although they do not change those sections' files
 # (alignment is applied when neighbours are read): they do change the run.
 TRAINING_READS = {"retrieval": ("align_neighbours",)}
+# A run with more steps is the same run extended (training/start.py), not another run.
+EXTENDS_THE_RUN = ("train.steps",)
 
 
 def run_identity(cfg, cfg_dict: dict) -> dict:
@@ -48,7 +50,7 @@ def run_identity(cfg, cfg_dict: dict) -> dict:
     for section in ["data", "model", "train"] + (["retrieval"] if retro else []):
         runtime = set(getattr(type(getattr(cfg, section)), "RUNTIME_KEYS", ())) - set(TRAINING_READS.get(section, ()))
         identity.update({f"{section}.{key}": value for key, value in (cfg_dict.get(section) or {}).items()
-                         if key not in runtime})
+                         if key not in runtime and f"{section}.{key}" not in EXTENDS_THE_RUN})
     return identity
 
 
@@ -56,7 +58,7 @@ def claim_run_dir(cfg, run_dir: Path, write: bool) -> None:
     """Claim run_dir for this config (write on one rank only); a run of another config is refused.
 
     Only what decides the run counts (`run_identity`): evaluation settings, worker counts or
-    batch sizes of other stages may change between a run and its resume.
+    batch sizes of other stages may change between a run and its resume, and train.steps may grow.
     """
     mine = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
     path = run_dir / "config.yaml"
