@@ -1,4 +1,5 @@
-"""Run launch/train.py on N local CPU processes over gloo, as the `deepspeed` launcher would.
+"""Run launch/train.py on N local CPU processes over gloo, as the `deepspeed` launcher would, and
+read back what a run wrote to TensorBoard.
 
 Spawning the ranks directly (MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK) skips the
 launcher's own start-up (~10 s); one test still goes through the real `deepspeed` CLI.
@@ -66,3 +67,19 @@ def train(nproc: int, args: list[str], log_dir: Path, timeout: float = 300, env:
     """Exit code and the ranks' logs of launch/train.py on nproc processes; env adds variables."""
     code = wait(spawn(nproc, args, log_dir, env), timeout)
     return code, "\n".join((log_dir / f"rank{r}.log").read_text() for r in range(nproc))
+
+
+def read_tensorboard(log_dir):
+    """(hyperparameters, config text, {tag: [(step, value)]}) read back from a run's event files."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    acc = EventAccumulator(str(log_dir), size_guidance={"tensors": 0, "scalars": 0})
+    acc.Reload()
+    start = plugin_data_pb2.HParamsPluginData.FromString(
+        acc.PluginTagToContent("hparams")["_hparams_/session_start_info"]).session_start_info
+    hparams = {k: (v.number_value if v.HasField("number_value") else v.bool_value if v.HasField("bool_value")
+                   else v.string_value) for k, v in start.hparams.items()}
+    (text,) = acc.Tensors("config/text_summary")
+    scalars = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    return hparams, text.tensor_proto.string_val[0].decode(), scalars

@@ -13,7 +13,7 @@ from data.config import ConfigError
 from data.prepare import prepare
 from data.readers import DataError
 from launch.config import load_config
-from tests.distributed import ROOT, train
+from tests.distributed import ROOT, read_tensorboard, train
 
 # A model small enough that a step takes a fraction of a second on one core.
 TINY = ["data.chunk_len=16", "data.max_documents=300", "data.validation_fraction=0.1", "train.seq_len=64",
@@ -70,6 +70,9 @@ def test_baseline_trains_on_two_pipeline_stages(reference_run):
     model = load_model(run_dir / "model")
     assert model(torch.zeros(1, 64, dtype=torch.int64)).shape == (1, 64, 50257)
     assert (run_dir / "tensorboard").is_dir() and (run_dir / "checkpoints" / "latest.json").exists()
+    hparams, text, scalars = read_tensorboard(run_dir / "tensorboard")  # the config beside the curves
+    assert hparams["train.lr"] == pytest.approx(0.02) and hparams["train.name"] == "ref" and "lr: 0.02" in text
+    assert [step for step, _ in scalars["loss"]] == list(range(1, 9))
     ds_json = json.loads((run_dir / "deepspeed_config.json").read_text())  # what DeepSpeed was given
     assert ds_json["zero_optimization"] == {"stage": 1} and ds_json["train_micro_batch_size_per_gpu"] == 2
 

@@ -1,9 +1,12 @@
-"""The plain parts of training (no DeepSpeed, no subprocesses): RNG state, FLOPs, seeded layers."""
+"""The plain parts of training (no DeepSpeed, no subprocesses): RNG state, FLOPs, seeded layers,
+parameter groups, the metrics log."""
 
 import io
+import json
 import random
 
 import numpy as np
+import pytest
 import torch
 
 from training.config import ModelConfig
@@ -136,3 +139,25 @@ def test_a_frozen_trunk_leaves_only_retrieval_parameters_in_the_groups():
     grouped = {id(p) for g in parameter_groups(model, 0.1) for p in g["params"]}
     for name, p in model.named_parameters():
         assert (id(p) in grouped) == is_retrieval_parameter(name), name
+
+
+def test_the_config_reaches_tensorboard_as_hyperparameters(tmp_path):
+    import yaml
+
+    from tests.distributed import read_tensorboard
+    from training.metrics_log import MetricsLog, hparams_of
+
+    cfg = {"workdir": "/w", "train": {"lr": 0.02, "name": "", "fused_head": True, "deepspeed": {"a": 1}},
+           "model": {"retro_layers": [2, 4], "n_layer": 4}}
+    assert hparams_of(cfg) == {"workdir": "/w", "train.lr": 0.02, "train.name": "", "train.fused_head": True,
+                               "train.deepspeed": '{"a": 1}', "model.retro_layers": "[2, 4]", "model.n_layer": 4}
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n{"step": 2, "loss": 8.0}\n')
+    log = MetricsLog(tmp_path, 1, cfg)  # a resume from step 1: step 2 is logged again
+    log.write({"step": 2, "loss": 7.5, "grad_norm": None})
+    log.close()
+    assert [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [9.0, 7.5]
+    hparams, text, scalars = read_tensorboard(tmp_path / "tensorboard")
+    assert hparams["train.lr"] == pytest.approx(0.02) and hparams["model.n_layer"] == 4
+    assert hparams["train.fused_head"] == 1 and hparams["model.retro_layers"] == "[2, 4]"  # bools as numbers
+    assert yaml.safe_load("\n".join(line[4:] for line in text.splitlines())) == cfg
+    assert scalars == {"loss": [(2, 7.5)]}

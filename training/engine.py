@@ -9,7 +9,6 @@ of every rank, `state.json`, `latest.json`: training/run_dir.py describes the ru
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -22,8 +21,9 @@ import torch.distributed as dist
 from training.data import SequenceBatches, micro_batches
 from training.flops import flops_per_token, mfu
 from training.hardware import matmul_flops_per_s
+from training.metrics_log import MetricsLog
 from training.rng import rng_state, set_rng_state
-from training.run_dir import TrainingError, checkpoint_tag, declare_checkpoint, truncate_metrics
+from training.run_dir import TrainingError, checkpoint_tag, declare_checkpoint
 
 # Deterministic fault injection (tests): every rank exits hard, as if killed (no cleanup, no
 # summary), right after step N has finished and, if N is a checkpoint step, been checkpointed.
@@ -101,13 +101,10 @@ class Trainer:
     def fit(self) -> dict:
         start = self.resume()
         fault_step = int(os.environ.get(FAULT_EXIT_AFTER_STEP) or 0)
-        metrics_path = self.run_dir / "metrics.jsonl"
-        writer = bar = None
+        metrics = bar = None
         if self.rank == 0:
-            truncate_metrics(metrics_path, start)
-            from torch.utils.tensorboard import SummaryWriter
             from tqdm import tqdm
-            writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+            metrics = MetricsLog(self.run_dir, start, self.cfg.to_dict())
             if start:
                 how = (f"resumed from step {start}" if self.start.kind == "resume"
                        else f"branched from {self.start.ckpt_dir / self.start.tag} at step {start}")
@@ -138,11 +135,7 @@ class Trainer:
                 if val is not None:
                     record.update(val_loss=val, val_bpb=val / math.log(2) / bytes_per_token)
             if self.rank == 0:
-                with open(metrics_path, "a") as f:
-                    f.write(json.dumps(record) + "\n")
-                for key, value in record.items():
-                    if key != "step" and value is not None:
-                        writer.add_scalar(key, value, step)
+                metrics.write(record)
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", mfu=f"{record['mfu']:.2f}")
                 bar.update(1)
             if step % self.t.checkpoint_every == 0 or step == self.t.steps:
@@ -151,5 +144,5 @@ class Trainer:
                 os._exit(1)
         if self.rank == 0:
             bar.close()
-            writer.close()
+            metrics.close()
         return {"losses": losses, "val_loss": val, "start_step": start}

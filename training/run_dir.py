@@ -4,7 +4,8 @@ A run directory `<workdir>/runs/<name>/` holds:
     config.yaml          the resolved config (a rerun with another config is refused)
     partition.json       the stage boundaries and the layers of each stage
     metrics.jsonl        one line per step (loss, lr, grad_norm, tokens_per_s, mfu) and per validation
-    tensorboard/         the same scalars for TensorBoard
+    deepspeed_config.json  the DeepSpeed config as DeepSpeed got it (generated + train.deepspeed)
+    tensorboard/         the same scalars, and the config as text and hyperparameters (metrics_log.py)
     checkpoints/stepNNNNNN/   DeepSpeed's per-layer checkpoint + rng_rankNNN.pt + state.json
     checkpoints/latest.json   the newest complete checkpoint (written last, atomically)
     model/               the exported model (config.json + model.safetensors), when done
