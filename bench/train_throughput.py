@@ -102,7 +102,8 @@ def worker(args) -> None:
     import deepspeed
     import torch
 
-    from training.pipeline import build_pipeline, deepspeed_config
+    from training.deepspeed_config import deepspeed_config
+    from training.pipeline import build_pipeline
 
     deepspeed.init_distributed(dist_backend="gloo")
     model_cfg, train = configs(args, args.worker)

@@ -54,7 +54,7 @@ def preflight(cfg, world_size: int):
         parts = partition(descs, t.pipeline_stages, t.partition, frozen_trunk=cfg.model.freeze_trunk)
     except ValueError as e:
         raise ConfigError("train.pipeline_stages", str(e).split(": ", 1)[-1]) from None
-    from training.pipeline import deepspeed_config
+    from training.deepspeed_config import deepspeed_config
     deepspeed_config(t)  # train.deepspeed: the pipeline engine's limits, no contradiction with train.*
     cuda = torch.cuda.is_available()
     if t.precision == "fp16" and not cuda:
@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
 
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         torch.set_num_threads(cpu_threads(cfg.train.cpu_threads, local, cfg.train.pipeline_stages))
-    from training.pipeline import deepspeed_config, init_distributed, shutdown
+    from training.deepspeed_config import deepspeed_config
+    from training.pipeline import init_distributed, shutdown
 
     if rank == 0:  # exactly what DeepSpeed is given, for the record
         write_json(run_dir / "deepspeed_config.json", deepspeed_config(cfg.train))

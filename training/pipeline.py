@@ -12,13 +12,18 @@ knowing DeepSpeed. What lives here:
 - Layers are built under a per-layer seed (training/layers.py `seeded`), so a stage builds exactly
   the weights the same layer has in a 1-stage run or in `build_sequential_seeded`.
 - Stages are cut at the boundaries training/partition.py computes.
-- DeepSpeed's JSON config, generated from ours; warm starts into a stage's layers; checkpoints;
-  the full model gathered from the stages; the tied-embedding check.
+- Warm starts into a stage's layers; checkpoints; the full model gathered from the stages; the
+  tied-embedding check; DeepSpeed's logs. (The JSON DeepSpeed is given is plain dicts, generated
+  and checked in training/deepspeed_config.py.)
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -30,8 +35,8 @@ import deepspeed  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec  # noqa: E402
 
-from data.config import ConfigError  # noqa: E402
 from training.config import ModelConfig, TrainConfig  # noqa: E402
+from training.deepspeed_config import deepspeed_config  # noqa: E402
 from training.layers import LayerDesc, layer_list, seeded  # noqa: E402
 from training.model import fused_loss_fn, loss_fn  # noqa: E402
 from training.model_io import load_pretrained  # noqa: E402
@@ -43,108 +48,6 @@ from training.run_dir import TrainingError  # noqa: E402
 # DeepSpeed JIT-compiles a shared-memory allreduce for CPU on first use (~90 s); gloo does the
 # same job without a C++ build, so never build it.
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-
-
-def generated_config(train: TrainConfig) -> dict:
-    """DeepSpeed's JSON config, generated from ours (never kept by hand beside it)."""
-    precision = train.precision
-    return {
-        "train_micro_batch_size_per_gpu": train.micro_batch_size,
-        "gradient_accumulation_steps": train.micro_batches,
-        "bf16": {"enabled": precision == "bf16"},
-        "fp16": {"enabled": precision == "fp16", "initial_scale_power": 16},
-        # bf16: fp32 master weights *and* fp32 gradient accumulation (BF16_Optimizer).
-        **({"data_types": {"grad_accum_dtype": "fp32"}} if precision == "bf16" else {}),
-        "zero_optimization": {"stage": 1},
-        "gradient_clipping": train.grad_clip,
-        # torch_adam: torch.optim.AdamW, no C++ op to build on a fresh machine.
-        "optimizer": {"type": "AdamW", "params": {"lr": train.lr, "betas": [train.beta1, train.beta2],
-                                                  "eps": 1e-8, "weight_decay": train.weight_decay,
-                                                  "torch_adam": True}},
-        "scheduler": {"type": "WarmupCosineLR", "params": {
-            "total_num_steps": train.steps, "warmup_num_steps": max(train.warmup_steps, 1),
-            "warmup_min_ratio": 0.0, "cos_min_ratio": train.min_lr / train.lr, "warmup_type": "linear"}},
-        # Non-reentrant recomputation: reentrant checkpointing breaks when two float tensors
-        # (hidden states and encoded neighbours) cross a stage boundary.
-        "pipeline": {"use_reentrant": False},
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
-
-
-# DeepSpeed keys that a train.* key already sets: train.deepspeed may not say otherwise.
-OWNED_KEYS = {
-    "train_batch_size": "train.micro_batch_size and train.micro_batches (the global batch is their product "
-                        "× the data-parallel degree)",
-    "train_micro_batch_size_per_gpu": "train.micro_batch_size",
-    "gradient_accumulation_steps": "train.micro_batches",
-    "gradient_clipping": "train.grad_clip",
-    "bf16.enabled": "train.precision", "fp16.enabled": "train.precision",
-    "optimizer.params.lr": "train.lr", "optimizer.params.weight_decay": "train.weight_decay",
-    "optimizer.params.betas": "train.beta1 and train.beta2",
-    "scheduler.params.total_num_steps": "train.steps", "scheduler.params.warmup_num_steps": "train.warmup_steps",
-    "scheduler.params.cos_min_ratio": "train.min_lr (as a fraction of train.lr)",
-}
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        path = f"{prefix}{key}"
-        out.update(_flatten(value, path + ".") if isinstance(value, dict) and value else {path: value})
-    return out
-
-
-def _merge(base: dict, over: dict) -> dict:
-    """`over` deep-merged into a copy of `base` (mappings merge, anything else replaces)."""
-    out = dict(base)
-    for key, value in over.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
-
-
-def deepspeed_config(train: TrainConfig) -> dict:
-    """The generated config with train.deepspeed deep-merged over it, checked against what the
-    pipeline engine supports and what train.* keys already set (a ConfigError naming the key).
-
-    An optimizer or scheduler of another `type` takes its own `params`: ours apply to AdamW and
-    WarmupCosineLR only (the optimizer keeps train.lr and train.weight_decay).
-    """
-    over, ours = train.deepspeed, generated_config(train)
-    for section in ("optimizer", "scheduler"):
-        if isinstance(over.get(section), dict) and over[section].get("type", ours[section]["type"]) != ours[section]["type"]:
-            params = {"lr": train.lr, "weight_decay": train.weight_decay} if section == "optimizer" else {}
-            ours[section] = {"type": over[section]["type"], "params": params}
-    generated = _flatten(ours)
-    for key, value in _flatten(over).items():
-        if not isinstance(value, dict) and any(g.startswith(key + ".") for g in generated):
-            raise ConfigError(f"train.deepspeed.{key}", f"{value!r} would replace a whole section of the generated "
-                              f"config; give the keys inside it")
-        for owned, instead in OWNED_KEYS.items():
-            # train_batch_size is never generated (DeepSpeed derives it); the rest only where generated.
-            if key == owned and (owned == "train_batch_size" or (owned in generated and generated[owned] != value)):
-                raise ConfigError(f"train.deepspeed.{owned}", f"is set by {instead}; set that instead "
-                                  f"(generated: {generated.get(owned)!r}, given: {value!r})")
-    merged = _merge(ours, over)
-    stage = merged.get("zero_optimization", {}).get("stage") if isinstance(merged.get("zero_optimization"), dict) \
-        else None
-    if stage not in (0, 1):
-        raise ConfigError("train.deepspeed.zero_optimization.stage", f"{stage!r}: DeepSpeed's pipeline engine "
-                          "supports ZeRO stage 0 or 1 only. Stage 2 reduces and partitions gradients by hooks "
-                          "as backward produces them, stage 3 also partitions (and re-gathers) parameters around "
-                          "every forward; the pipeline engine runs its own per-micro-batch schedule and reduces "
-                          "gradients once per step, and refuses both. The pipeline already splits the weights "
-                          "across stages; ZeRO-1 splits the optimizer state across data-parallel replicas")
-    if stage == 0 and train.grad_clip > 0 and train.pipeline_stages > 1:
-        raise ConfigError("train.deepspeed.zero_optimization.stage", "0 with train.grad_clip > 0 on more than "
-                          "one pipeline stage: without ZeRO, DeepSpeed clips by the gradient norm of the first "
-                          "stage only (it counts model-parallel rank 0's gradients), so every stage would be "
-                          "clipped by a wrong norm; keep stage 1 or set train.grad_clip=0")
-    if stage == 0 and train.precision == "bf16" and merged.get("data_types", {}).get("grad_accum_dtype") == "fp32":
-        raise ConfigError("train.deepspeed.zero_optimization.stage", "0 with train.precision=bf16: DeepSpeed "
-                          "accumulates bf16 gradients in fp32 only in its ZeRO-1 optimizer; keep stage 1, use "
-                          "train.precision=fp32, or also set data_types.grad_accum_dtype=bf16")
-    return merged
 
 
 class _SeededSpec:
@@ -240,8 +143,32 @@ def build_pipeline(model: ModelConfig, train: TrainConfig) -> tuple[RetroPipeMod
     return module, descs, parts
 
 
+def verbose() -> bool:
+    """DeepSpeed's own logs in full (launch/ --verbose sets RETROPIPE_VERBOSE=1 for every rank)."""
+    return os.environ.get("RETROPIPE_VERBOSE") == "1"
+
+
+def quiet_logs() -> None:
+    """Unless verbose: DeepSpeed's logger at WARNING, without two warnings every rank repeats that
+    say nothing about the run (the scheduler read before its first step, at construction; an
+    autograd note on the broadcast of tied weights)."""
+    from deepspeed.utils import logger
+
+    logger.setLevel(logging.INFO if verbose() else logging.WARNING)
+    if not verbose():
+        logger.addFilter(lambda record: "before it has started" not in record.getMessage())
+        warnings.filterwarnings("ignore", message="c10d::broadcast_: an autograd kernel was not registered")
+
+
+def _quiet_prints():
+    """DeepSpeed prints its pipeline topology and layer seeding on building a module: swallowed
+    unless verbose (its logger keeps its own stream, so warnings still show)."""
+    return contextlib.nullcontext() if verbose() else contextlib.redirect_stdout(io.StringIO())
+
+
 def init_distributed() -> None:
     """The process group: gloo on CPU, NCCL on GPUs (ranks from the launcher's environment)."""
+    quiet_logs()
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
 
 
@@ -261,14 +188,17 @@ class Pipeline:
 
     def __init__(self, model: ModelConfig, train: TrainConfig, warm_start: bool = True):
         self.train = train
-        module, self.descs, self.parts = build_pipeline(model, train)
+        with _quiet_prints():
+            module, self.descs, self.parts = build_pipeline(model, train)
         if train.init_from and warm_start:
             self._warm_start(module, train.init_from)
         if model.freeze_trunk:
             freeze_trunk(module)
         # The same two AdamW groups on every stage (training/param_groups.py says why).
         groups = parameter_groups(module, train.weight_decay)
-        self.engine, *_ = deepspeed.initialize(model=module, model_parameters=groups, config=deepspeed_config(train))
+        with _quiet_prints():
+            self.engine, *_ = deepspeed.initialize(model=module, model_parameters=groups,
+                                                   config=deepspeed_config(train))
         grid = self.engine.grid
         self.dp_rank, self.dp_world = grid.get_data_parallel_rank(), grid.get_data_parallel_world_size()
         self.stage = grid.get_pipe_parallel_rank()

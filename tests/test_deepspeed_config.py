@@ -1,11 +1,11 @@
-"""The DeepSpeed JSON the adapter generates and merges train.deepspeed into (in-process, no
-process group: training/pipeline.py imports deepspeed, nothing here starts it)."""
+"""The DeepSpeed JSON generated from the train section, with train.deepspeed merged over it
+(training/deepspeed_config.py: plain dicts, no DeepSpeed)."""
 
 import pytest
 
 from data.config import ConfigError
 from training.config import TrainConfig
-from training.pipeline import deepspeed_config, generated_config
+from training.deepspeed_config import deepspeed_config, generated_config
 
 
 def test_the_passthrough_is_deep_merged_over_the_generated_config():
