@@ -49,8 +49,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--address", default=None, help="Ray cluster address (default: local or RAY_ADDRESS)")
     args = parser.parse_args(argv)
     quiet_engines(args.verbose)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     from retrieval.build import build_retrieval, summary
     from retrieval.config import RetrievalError
     from retrieval.ray_embed import RayEmbedRunner

@@ -82,8 +82,8 @@ def build_retrieval(cfg: RetrievalConfig, store: ChunkStore, out_dir: str | Path
                     executor: Executor = serial_executor, workers: int = 2, progress: bool = False) -> dict:
     """Build (or finish, or skip) every stage into out_dir; return {stage: manifest}."""
     out = Path(out_dir)
+    check_inputs(cfg, store, _expected_dim(cfg, out / "embeddings"))  # before anything is written
     out.mkdir(parents=True, exist_ok=True)
-    check_inputs(cfg, store, _expected_dim(cfg, out / "embeddings"))
     parts = prepare_corpora(cfg.corpora, data_cfg or DataConfig(), store, out, executor, progress)
     check_inputs(cfg, store, database_chunks=sum(len(p.store.split("train")) for p in parts))
 

@@ -23,14 +23,12 @@ class EmbedChunks:
     """Ray Data class UDF: one model per actor; a batch is a few jobs, each embedded whole."""
 
     def __init__(self, spec: EmbedSpec, device: str, threads: int):
-        from pathlib import Path
-
         from data.store import ChunkStore
         from data.tokenizer import get_tokenizer
-        from retrieval.embed import load_embedder
+        from retrieval.embed import load_embedder, local_model_path
 
         self.spec = spec
-        self.model = load_embedder(Path(spec.model_path), device=device, threads=threads)
+        self.model = load_embedder(local_model_path(spec), device=device, threads=threads)
         self.store, self.encoding = ChunkStore(spec.data_dir), get_tokenizer(spec.tokenizer)
 
     def embed_one(self, job: EmbedJob) -> np.ndarray:

@@ -4,7 +4,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -16,16 +15,11 @@ import pytest
 
 from data.neighbours import NeighbourStore
 from data.store import ChunkStore
-from tests.test_retrieval import CHUNK_LEN, PY, ROOT, SEQ_CHUNKS, built, neighbours_of  # noqa: F401 (fixture)
+from tests.corpora import CHUNK_LEN, PY, ROOT, SEQ_CHUNKS, neighbours_of
+from tests.distributed import free_port
 
 
 # --- Ray: a killed actor, and `ray job submit` ----------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def stop_ray_head(proc: subprocess.Popen, temp_dir: str) -> None:
     """Stop only the head these tests started (not `ray stop`, which would stop every Ray here)."""
