@@ -9,10 +9,11 @@ PY     := $(VENV)/bin/python
 # picks the version: the default is the release the test suite runs on; any torch>=2.3,<3 works.
 TORCH_SPEC      ?= torch==2.13.0
 TORCH_INDEX_URL ?=
-# Extras of the project: FAISS (cpu, or gpu = faiss-gpu-cu12 for CUDA 12; never both), the
-# bundled default embedder (offline) and the test suite (dev). On a GPU machine:
-#   make install EXTRAS=gpu,offline,dev TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
-EXTRAS ?= cpu,offline,dev
+# Extras of the project (pyproject.toml): FAISS (cpu, or gpu = faiss-gpu-cu12 for CUDA 12; never
+# both), the bundled default embedder (offline), .jsonl.zst and saved-dataset readers (corpora) and
+# the test suite (dev). On a GPU machine:
+#   make install EXTRAS=gpu,offline,corpora,dev TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+EXTRAS ?= cpu,offline,corpora,dev
 STAMP  := $(VENV)/.installed
 CONFIG ?= configs/tiny.yaml
 

@@ -231,6 +231,64 @@ def test_txt_directory_gz_and_parquet_readers(tmp_path):
         run(DataConfig(corpus=str(tmp_path / "bad.parquet")), tmp_path / "bad")
 
 
+def test_jsonl_zst_across_frames_and_saved_datasets(tmp_path):
+    import datasets
+    import zstandard
+
+    records = [json.dumps(r).encode() + b"\n" for r in
+               [{"id": "z1", "text": "first zstd frame"}, {"text": "second frame, no id"}, {"id": "z3", "text": "ü"}]]
+    zst = tmp_path / "c.jsonl.zst"  # two frames end to end, as `cat a.zst b.zst` makes
+    zst.write_bytes(zstandard.ZstdCompressor().compress(b"".join(records[:1]))
+                    + zstandard.ZstdCompressor().compress(b"".join(records[1:])))
+    manifest = run(DataConfig(corpus=str(zst), validation_fraction=0.0), tmp_path / "zst")
+    docs_ = ChunkStore(tmp_path / "zst").documents.to_pylist()
+    assert [d["source_id"] for d in docs_] == ["z1", "c.jsonl.zst:2", "z3"]
+    assert [d["num_bytes"] for d in docs_] == [16, 19, 2] and manifest["splits"]["train"]["documents"] == 3
+
+    texts = ["a saved dataset", "its second row", "", "fourth"]
+    datasets.Dataset.from_dict({"body": texts, "key": ["k0", "k1", "k2", None]}).save_to_disk(tmp_path / "ds")
+    cfg = DataConfig(corpus=str(tmp_path / "ds"), text_field="body", id_field="key", validation_fraction=0.0)
+    manifest = run(cfg, tmp_path / "ds-out")
+    assert [d["source_id"] for d in ChunkStore(tmp_path / "ds-out").documents.to_pylist()] == ["k0", "k1", "ds:4"]
+    assert manifest["bad_records"] == {"empty_documents_skipped": 1}
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["t0", "t1"]}),
+                          "test": datasets.Dataset.from_dict({"text": ["s0"]})}).save_to_disk(tmp_path / "dd")
+    run(DataConfig(corpus=str(tmp_path / "dd"), validation_fraction=0.0), tmp_path / "dd-out")
+    ids = ChunkStore(tmp_path / "dd-out").documents.column("source_id").to_pylist()
+    assert ids == ["dd/train:1", "dd/train:2", "dd/test:1"]  # every split, in the saved order
+
+
+def test_bad_zst_and_saved_datasets_are_clear_errors(tmp_path, monkeypatch):
+    import datasets
+    import zstandard
+
+    whole = zstandard.ZstdCompressor().compress(b"".join(json.dumps(r).encode() + b"\n" for r in docs(200)))
+    (tmp_path / "cut.jsonl.zst").write_bytes(whole[:len(whole) // 2])
+    with pytest.raises(DataError, match=r"cut.jsonl.zst: truncated zstd file"):
+        run(DataConfig(corpus=str(tmp_path / "cut.jsonl.zst")), tmp_path / "o1")
+    (tmp_path / "junk.jsonl.zst").write_bytes(b"not zstd at all" * 10)
+    with pytest.raises(DataError, match=r"junk.jsonl.zst: not a readable zstd file"):
+        run(DataConfig(corpus=str(tmp_path / "junk.jsonl.zst")), tmp_path / "o2")
+    datasets.Dataset.from_dict({"body": ["x"]}).save_to_disk(tmp_path / "ds")
+    with pytest.raises(DataError, match=r"ds: no column 'text' \(data.text_field\); columns are \['body'\]"):
+        run(DataConfig(corpus=str(tmp_path / "ds")), tmp_path / "o3")
+    (tmp_path / "ds" / "state.json").write_text("{ not json")
+    with pytest.raises(DataError, match=r"ds: not a readable saved Hugging Face dataset"):
+        run(DataConfig(corpus=str(tmp_path / "ds")), tmp_path / "o4")
+    (tmp_path / "ds" / "state.json").unlink()
+    (tmp_path / "ds" / "dataset_info.json").unlink()
+    with pytest.raises(DataError, match=r"holds .arrow files but is not a directory saved by datasets"):
+        run(DataConfig(corpus=str(tmp_path / "ds")), tmp_path / "o5")
+    datasets.Dataset.from_dict({"text": ["y"]}).save_to_disk(tmp_path / "dd")
+    for module, corpus in (("zstandard", "cut.jsonl.zst"), ("datasets", "dd")):
+        monkeypatch.setitem(sys.modules, module, None)  # as if the `corpora` extra were not installed
+        with pytest.raises(DataError, match=rf"needs the {module} package: pip install 'retropipe\[corpora\]'"):
+            run(DataConfig(corpus=str(tmp_path / corpus)), tmp_path / f"no-{module}")
+        monkeypatch.undo()
+    for out in ("o1", "o2", "o3", "o4", "o5"):
+        assert not (tmp_path / out / "manifest.json").exists()
+
+
 def test_missing_corpus_and_store_are_clear_errors(tmp_path):
     with pytest.raises(DataError, match="no input files found"):
         run(DataConfig(corpus=str(tmp_path / "nothing-*.jsonl")), tmp_path / "out")
