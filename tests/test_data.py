@@ -305,6 +305,7 @@ def test_prepare_data_cli_on_the_shipped_corpus(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "validation" in proc.stdout and "tokens/s" in proc.stdout
+    assert " INFO " not in proc.stderr and "Token authentication" not in proc.stderr  # Ray kept quiet
     store = ChunkStore(tmp_path / "data")
     assert store.manifest["splits"]["train"]["documents"] + store.manifest["splits"]["validation"]["documents"] == 3306
     assert (tmp_path / "data" / "config.yaml").exists()

@@ -16,7 +16,8 @@ import pytest
 from data.store import ChunkStore
 from retrieval.build import build_retrieval
 from retrieval.config import RetrievalError
-from retrieval.embed import EmbedSpec, cached_embedder, embed, local_model_path, model_identity, resolve_model_path
+from retrieval.embed import cached_embedder, embed
+from retrieval.embedder import local_model_path, model_identity, resolve_model_path
 from tests.corpora import ROOT, SEQ_CHUNKS, neighbours_of, retrieval_cfg
 
 REPO, COMMIT = "sentence-transformers/all-MiniLM-L6-v2", "0123456789abcdef0123456789abcdef01234567"
@@ -72,8 +73,7 @@ def test_a_hub_id_is_resolved_through_the_hub_cache(built, tmp_path, hub_cache):
     assert resolve_model_path(REPO) == snapshot
     assert model_identity(snapshot, REPO)["name"] == REPO and model_identity(snapshot, REPO)["revision"] == COMMIT
     # A node whose driver path does not exist fetches the same commit into its own cache.
-    elsewhere = EmbedSpec("data", f"/elsewhere/snapshots/{COMMIT}", "gpt2", hub_name=REPO)
-    assert local_model_path(elsewhere) == snapshot
+    assert local_model_path(f"/elsewhere/snapshots/{COMMIT}", REPO) == snapshot
     # The same weights under a hub id: the same neighbours as the bundled model's database.
     ref_root = built[0]
     shutil.copytree(ref_root / "data", tmp_path / "data")

@@ -23,7 +23,7 @@ from retrieval.embed import Embeddings, serial_embed_runner
 from retrieval.index import build_index, exact_search, load_index, make_index, sample_rows
 from retrieval.neighbours import excluded_hashes, select_neighbours
 # Re-exported: other test modules import the corpus helpers from here too.
-from tests.corpora import (CHUNK_LEN, PY, ROOT, SEQ_CHUNKS, TOPICS, doc_id, make_store,  # noqa: F401
+from tests.corpora import (CHUNK_LEN, ROOT, SEQ_CHUNKS, TOPICS, make_store,  # noqa: F401
                            neighbours_of, retrieval_cfg, topic_docs)
 
 

@@ -156,6 +156,7 @@ def test_ray_job_submit_to_a_local_head(built, tmp_path, ray_head):
                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
     assert "retrieval database in" in job.stdout and "recall@2" in job.stdout
+    assert "logging_progress" not in job.stdout and "Loading weights" not in job.stdout  # quiet by default
     # The job's embeddings are the reference's up to float rounding (Ray actors run other thread
     # counts), and its index and neighbours are exactly what an in-process build makes of them.
     for split in ("train", "validation"):
