@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 #   make install TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu     # CPU-only wheels
 #   make install TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128   # CUDA 12.8 wheels
 # Without it pip uses its configured index (PyPI's Linux wheels are CUDA builds). TORCH_SPEC
-# picks the version: the default is the release the test suite runs on; any torch>=2.3,<3 works.
+# picks the version: by default the release the test suite runs on (pyproject admits torch>=2.3,<3).
 TORCH_SPEC      ?= torch==2.13.0
 TORCH_INDEX_URL ?=
 # Extras of the project (pyproject.toml): FAISS (cpu, or gpu = faiss-gpu-cu12 for CUDA 12; never
