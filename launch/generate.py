@@ -24,7 +24,7 @@ import numpy as np
 from data.config import ConfigError
 from data.readers import DataError
 from data.tokenizer import TokenizerError
-from launch.cli import config_from_args, entry_parser, quiet_engines
+from launch.cli import config_from_args, entry_parser, quiet_engines, resolve_device
 from launch.evaluate import model_dir_of
 
 
@@ -35,12 +35,6 @@ class Result:
     encoding: object       # the tiktoken encoding
     k: int                 # neighbours per chunk (0: GPT-2 or RETRO[OFF])
     chunk_len: int
-
-
-def resolve_device(device: str) -> str:
-    import torch
-
-    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
 
 
 def open_retrieval(cfg, model_cfg, k: int | None, device: str, database: Path | None = None):
@@ -65,7 +59,8 @@ def run(args) -> Result:
     from training import load_model
     from training.sampling import check_sampling, generate
 
-    cfg = config_from_args(args)
+    cfg = config_from_args(args)  # --print-config exits here, before any model is read
+    device = resolve_device(args.device)
     check_sampling(args.temperature, args.top_k, args.top_p)
     if args.max_new_tokens < 0 or (args.neighbours or 0) < 0:
         raise ValueError("--max-new-tokens and --neighbours must be >= 0")
@@ -73,7 +68,6 @@ def run(args) -> Result:
     if not (model_dir / "config.json").exists():
         raise DataError(f"--checkpoint {args.checkpoint}: no model there (expected a run directory with model/, "
                         f"or a directory with config.json and model.safetensors)")
-    device = resolve_device(args.device)
     model = load_model(model_dir, device=device)
     retriever, k, tokenizer = None, 0, cfg.data.tokenizer
     if model.cfg.kind == "retro" and args.neighbours != 0:

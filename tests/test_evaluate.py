@@ -150,3 +150,29 @@ def test_evaluate_a_held_out_corpus_against_the_training_database(evaluated, tmp
     # A missing corpus is a clear error, exit 2.
     assert main(["--config", "configs/tiny.yaml", *sets, "--corpus", str(tmp_path / "nope.jsonl"), "--out",
                  str(tmp_path / "r2"), "--checkpoint", str(root / "runs" / "retro")]) == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where torch sees no GPU")
+def test_evaluate_device_cuda_without_a_gpu_is_a_one_line_error_and_writes_nothing(evaluated, tmp_path, capsys):
+    from launch.evaluate import main
+
+    root, sets = evaluated
+    out = tmp_path / "report"
+    code = main(["--config", "configs/tiny.yaml", *sets, "--checkpoint", str(root / "runs" / "gpt2"),
+                 "--out", str(out), "--device", "cuda"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--device" in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
+
+
+def test_evaluate_print_config_prints_yaml_and_loads_no_model(tmp_path, capsys):
+    import yaml
+
+    from launch.evaluate import main
+
+    with pytest.raises(SystemExit) as exit:   # as argparse's --help: SystemExit(0)
+        main(["--config", "configs/tiny.yaml", "--set", "eval.stride=64", "--checkpoint",
+              str(tmp_path / "no-such-run"), "--device", "cuda", "--no-progress", "--print-config"])
+    out = capsys.readouterr().out
+    assert exit.value.code == 0 and yaml.safe_load(out)["eval"]["stride"] == 64
+    assert not any(tmp_path.iterdir())

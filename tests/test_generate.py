@@ -264,3 +264,28 @@ def test_cli_errors_are_exit_2_and_say_what_to_do(workdir, tmp_path, capsys):
     code, out, err = cli(tmp_path, "--checkpoint", str(workdir / "runs" / "retro"), "--neighbours", "0",
                          "--max-new-tokens", "3", capsys=capsys)
     assert code == 0 and "0 retrievals" in err, err
+
+
+# --- --device and --print-config -------------------------------------------------------------------
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where torch sees no GPU")
+def test_cli_device_cuda_without_a_gpu_is_a_one_line_error(workdir, capsys):
+    from launch.generate import main
+
+    code = main(["--config", str(ROOT / "configs" / "tiny.yaml"), "--set", f"workdir={workdir}",
+                 "--checkpoint", str(workdir / "runs" / "gpt2"), "--device", "cuda"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--device" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_cli_print_config_prints_yaml_and_loads_no_model(tmp_path, capsys):
+    import yaml
+
+    from launch.generate import main
+
+    # The checkpoint does not exist and cuda may be absent: --print-config touches neither.
+    with pytest.raises(SystemExit) as exit:   # as argparse's --help: SystemExit(0)
+        main(["--config", str(ROOT / "configs" / "tiny.yaml"), "--set", "data.chunk_len=16",
+              "--checkpoint", str(tmp_path / "no-such-run"), "--device", "cuda", "--no-progress", "--print-config"])
+    out = capsys.readouterr().out
+    assert exit.value.code == 0 and yaml.safe_load(out)["data"]["chunk_len"] == 16
