@@ -21,7 +21,7 @@ from training import save_model
 from training.config import ModelConfig
 from training.model import GPT2
 from training.retro import Retro
-from training.sampling import context_window, generate, sample_next
+from training.sampling import context_window, generate, generate_samples, sample_next
 
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -59,11 +59,15 @@ def stub_neighbours(chunk_tokens: list[int]) -> np.ndarray:
 
 
 class Recorder:
-    """Records each forward's (tokens, neighbours) through a forward pre-hook (the real model runs)."""
+    """Records the (tokens, neighbours) of each full-window pass (model.hidden; the real model runs)."""
 
     def __init__(self, model: nn.Module):
-        self.calls = []
-        model.register_forward_pre_hook(lambda mod, args: self.calls.append([a.clone() for a in args]))
+        self.calls, hidden = [], model.hidden
+
+        def record(tokens, neighbours=None):
+            self.calls.append([tokens.clone(), neighbours.clone()])
+            return hidden(tokens, neighbours)
+        model.hidden = record
 
 
 # --- sampling filters -------------------------------------------------------------------------
@@ -116,7 +120,7 @@ def test_retrieves_at_chunk_boundaries_and_feeds_each_chunk_its_neighbours():
 
     recorder = Recorder(model)
     prompt = [464, 3290, 318, 257, 1332]                   # 5 tokens: shorter than one chunk
-    out = generate(model, prompt, 40, seed=0, retrieve=retrieve)
+    out = generate(model, prompt, 40, seed=0, retrieve=retrieve, cache=False)  # forward sees the whole window
     assert out.stop == "max_tokens" and len(out.tokens) == 45
     # The partial prompt chunk at the start, then each chunk as the sequence completes it (and
     # a token follows): lengths 8, 16, 24, 32, 40. Never in between.
@@ -168,6 +172,73 @@ def test_prompt_of_whole_chunks_is_retrieved_at_the_start():
     assert [(r.chunk, r.seq_len, r.query_len) for r in out.retrievals] == [(0, 16, 8), (1, 16, 8)]
 
 
+# --- the key/value cache and batches of samples ---------------------------------------------------
+
+def events(out):
+    return [(r.chunk, r.seq_len, r.query_len, r.neighbours.tolist()) for r in out.retrievals]
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "retro"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("prompt_len", [5, 2 * M + 3])   # shorter than a chunk; longer than one, partial last
+def test_cache_gives_exactly_the_tokens_of_the_full_forward(kind, temperature, prompt_len):
+    """Through RETRO's retrievals at chunk boundaries and past n_positions (the window slides:
+    4 chunks of context, 45 tokens and more)."""
+    model = model_of(tiny(kind, n_positions=4 * M))
+    calls = {True: [], False: []}
+
+    def retrieve(cache):
+        def fn(chunk_tokens, u):
+            calls[cache].append((u, list(chunk_tokens)))
+            return stub_neighbours(chunk_tokens)
+        return fn if kind == "retro" else None
+
+    prompt = list(range(464, 464 + prompt_len))
+    outs = {cache: generate(model, prompt, 40, temperature=temperature, top_k=50, top_p=0.95, seed=3,
+                            retrieve=retrieve(cache), cache=cache) for cache in (True, False)}
+    assert len(outs[True].tokens) == prompt_len + 40 > model.cfg.n_positions
+    assert outs[True].tokens == outs[False].tokens
+    assert events(outs[True]) == events(outs[False]) and calls[True] == calls[False]
+    if kind == "retro":
+        assert len(outs[True].retrievals) >= 5
+        off = {cache: generate(model, prompt, 40, temperature=temperature, seed=3, cache=cache).tokens
+               for cache in (True, False)}                     # RETRO[OFF]
+        assert off[True] == off[False]
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "retro"])
+def test_samples_of_a_batch_are_the_single_runs_of_their_seeds(kind):
+    model = model_of(tiny(kind))
+    retrieve = (lambda toks, u: stub_neighbours(toks)) if kind == "retro" else None
+    prompt = [464, 3290, 318]
+    free = generate_samples(model, prompt, 20, 3, temperature=1.0, seed=5, retrieve=retrieve)
+    assert len({tuple(o.tokens) for o in free}) == 3              # independent samples
+    # An end-of-text id that sample 0 draws early: it leaves the batch, the others go on.
+    eot = free[0].new_tokens[4]
+    for cache in (True, False):
+        batch = generate_samples(model, prompt, 20, 3, temperature=1.0, seed=5, eot_id=eot, retrieve=retrieve,
+                                 cache=cache)
+        single = [generate(model, prompt, 20, temperature=1.0, seed=5 + j, eot_id=eot, retrieve=retrieve, cache=cache)
+                  for j in range(3)]
+        assert batch[0].stop == "eot" and len(batch[0].new_tokens) <= 5
+        assert any(o.stop == "max_tokens" for o in batch)
+        assert [o.tokens for o in batch] == [o.tokens for o in single]
+        assert [events(o) for o in batch] == [events(o) for o in single]
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "retro"])
+def test_every_tensor_of_a_step_is_made_on_the_models_device(kind):
+    """What a CPU-only machine can check of the CUDA path: with the default device set to "meta",
+    a tensor made without device= lands on meta, and mixing it with the (CPU) model fails."""
+    model = model_of(tiny(kind, n_positions=4 * M))
+    retrieve = (lambda toks, u: stub_neighbours(toks)) if kind == "retro" else None
+    prompt, kw = list(range(400, 419)), dict(temperature=1.0, top_k=50, top_p=0.9, seed=1, retrieve=retrieve)
+    reference = [o.tokens for o in generate_samples(model, prompt, 30, 2, **kw)]
+    for cache in (True, False):
+        with torch.device("meta"):
+            assert [o.tokens for o in generate_samples(model, prompt, 30, 2, cache=cache, **kw)] == reference
+
+
 # --- end-of-text ----------------------------------------------------------------------------
 
 class Counter(nn.Module):
@@ -175,19 +246,20 @@ class Counter(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.cfg = ModelConfig(kind="gpt2", vocab_size=10, n_positions=16, n_layer=1, n_head=1, n_embd=2)
-        self.unused = nn.Parameter(torch.zeros(1))  # generate reads the device from the parameters
+        self.cfg = ModelConfig(kind="gpt2", vocab_size=10, n_positions=16, n_layer=1, n_head=1, n_embd=10)
+        self.wte = nn.Embedding(10, 10)     # the tied head reads it: the identity, so logits = hidden
+        nn.init.eye_(self.wte.weight)
 
-    def forward(self, tokens):
+    def hidden(self, tokens, neighbours=None):
         b, n = tokens.shape
         target = torch.clamp(torch.arange(n) + 1, max=9).where(torch.arange(n) < 5, torch.tensor(9))
         return torch.nn.functional.one_hot(target, 10).float()[None].expand(b, n, 10) * 50.0
 
 
 def test_stops_at_end_of_text_or_max_tokens():
-    out = generate(Counter(), [0], 20, temperature=1.0, seed=0, eot_id=9)
+    out = generate(Counter(), [0], 20, temperature=1.0, seed=0, eot_id=9, cache=False)   # Counter has no decode
     assert out.tokens == [0, 1, 2, 3, 4, 5, 9] and out.stop == "eot" and out.new_tokens[-1] == 9
-    out = generate(Counter(), [0], 3, temperature=1.0, seed=0, eot_id=9)
+    out = generate(Counter(), [0], 3, temperature=1.0, seed=0, eot_id=9, cache=False)
     assert out.tokens == [0, 1, 2, 3] and out.stop == "max_tokens"
 
 
