@@ -361,3 +361,45 @@ def test_cli_print_config_prints_yaml_and_loads_no_model(tmp_path, capsys):
               "--checkpoint", str(tmp_path / "no-such-run"), "--device", "cuda", "--no-progress", "--print-config"])
     out = capsys.readouterr().out
     assert exit.value.code == 0 and yaml.safe_load(out)["data"]["chunk_len"] == 16
+
+
+# --- --prompt-file and --num-samples ----------------------------------------------------------------
+
+def outputs(stdout: str) -> dict[tuple[int, int], str]:
+    """The outputs of a run with several, by (prompt, sample), from their "=== prompt P of Q, sample J of N" heads."""
+    parts = stdout.split("=== prompt ")[1:]
+    return {(int(p.split()[0]), int(p.split("sample ")[1].split()[0])): p.split("===\n", 1)[1] for p in parts}
+
+
+def test_cli_prompt_file_and_num_samples(workdir, tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the ship sails across\n\napples and pears grow in\n")      # the empty line is skipped
+    run = ("--checkpoint", str(workdir / "runs" / "retro"), "--max-new-tokens", "10", "--temperature", "1",
+           "--show-neighbours", "--no-progress")
+    code, out, err = cli(workdir, *run, "--prompt-file", str(prompts), "--num-samples", "2", "--seed", "4",
+                         capsys=capsys)
+    assert code == 0, err
+    got = outputs(out)
+    assert sorted(got) == [(1, 1), (1, 2), (2, 1), (2, 2)] and err.count("10 new tokens") == 4
+    assert got[1, 1].startswith("the ship sails across") and got[2, 2].startswith("apples and pears grow in")
+    assert got[1, 1] != got[1, 2]                                          # independent samples
+    # Sample 2 of prompt 2 (seed 5), neighbours included, is the single run with --seed 5.
+    code, single, _ = cli(workdir, *run, "--prompt", "apples and pears grow in", "--seed", "5", capsys=capsys)
+    assert code == 0 and "=== prompt" not in single and got[2, 2] == single
+
+
+def test_cli_prompt_file_and_num_samples_errors_name_the_flag(workdir, tmp_path, capsys):
+    gpt2 = ("--checkpoint", str(workdir / "runs" / "gpt2"))
+    code, _, err = cli(workdir, *gpt2, "--prompt-file", str(tmp_path / "none.txt"), capsys=capsys)
+    assert code == 2 and "--prompt-file" in err and "none.txt" in err
+    (tmp_path / "empty.txt").write_text("\n  \n")
+    code, _, err = cli(workdir, *gpt2, "--prompt-file", str(tmp_path / "empty.txt"), capsys=capsys)
+    assert code == 2 and "--prompt-file" in err and "no prompt" in err
+    (tmp_path / "latin1.txt").write_bytes("first\ncaf\xe9\n".encode("latin-1"))
+    code, _, err = cli(workdir, *gpt2, "--prompt-file", str(tmp_path / "latin1.txt"), capsys=capsys)
+    assert code == 2 and "line 2" in err and "UTF-8" in err
+    code, _, err = cli(workdir, *gpt2, "--num-samples", "0", capsys=capsys)
+    assert code == 2 and "--num-samples" in err
+    with pytest.raises(SystemExit) as exit:                                # argparse: one or the other
+        cli(workdir, *gpt2, "--prompt", "a", "--prompt-file", str(tmp_path / "empty.txt"), capsys=capsys)
+    assert exit.value.code == 2 and "--prompt-file" in capsys.readouterr().err
