@@ -100,7 +100,7 @@ def split_neighbours(retriever: Retriever, store: ChunkStore, split: str, out_di
     inputs = neighbour_inputs(cfg, retriever.database, store, retriever.index_manifest, None,
                               query_embeddings=query_emb.fingerprint, split=split,
                               allowed=None if allowed is None else fingerprint(allowed.tolist()))
-    query_neighbours(retriever.index, query_emb, store, retriever.database, out_dir, inputs, retriever.k,
+    query_neighbours(retriever.index_for(allowed), query_emb, store, retriever.database, out_dir, inputs, retriever.k,
                      cfg.candidates, None, retriever.vectors.rows if retriever.rerank else None, splits=(split,),
                      progress=progress, allowed=allowed)
     return NeighbourStore(out_dir, store, align=cfg.align_neighbours)
