@@ -20,7 +20,7 @@ from data.config import DataConfig
 from data.prepare import prepare, summary
 from data.readers import DataError
 from data.store import ChunkStore
-from data.tokenizer import TokenizerError, get_tokenizer, verify_gpt2_files, _gpt2_vocab_dir
+from data.tokenizer import TokenizerError, get_tokenizer, verify_gpt2_files, gpt2_vocab_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ROOT / "corpus" / "jargon_devil.jsonl.gz"
@@ -54,7 +54,7 @@ def test_gpt2_tokenizer_round_trip_offline(monkeypatch):
 
 
 def test_corrupt_or_missing_vocab_is_a_clear_error(tmp_path):
-    src = _gpt2_vocab_dir()
+    src = gpt2_vocab_dir()
     shutil.copy(src / "encoder.json", tmp_path / "encoder.json")
     with pytest.raises(TokenizerError, match="vocab.bpe"):
         verify_gpt2_files(tmp_path)

@@ -160,9 +160,9 @@ def save_hf(model: GPT2, out_dir: str | os.PathLike) -> bool:
 
 def save_gpt2_tokenizer(out: Path, n_positions: int) -> None:
     """GPT-2's tokenizer files as Hugging Face reads them, from the bundled, checked BPE files."""
-    from data.tokenizer import ENDOFTEXT, _gpt2_vocab_dir, verify_gpt2_files
+    from data.tokenizer import ENDOFTEXT, gpt2_vocab_dir, verify_gpt2_files
 
-    files = verify_gpt2_files(_gpt2_vocab_dir())
+    files = verify_gpt2_files(gpt2_vocab_dir())
     shutil.copyfile(files["encoder.json"], out / "vocab.json")
     shutil.copyfile(files["vocab.bpe"], out / "merges.txt")
     special = {"bos_token": ENDOFTEXT, "eos_token": ENDOFTEXT, "unk_token": ENDOFTEXT}
