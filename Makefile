@@ -2,14 +2,22 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-# The CPU build of torch lies on this machine's disk; on a GPU cluster set e.g. TORCH_SPEC="torch==2.13.0".
-TORCH_SPEC ?= torch==2.13.0
+# torch is installed first, on its own, so that it can come from PyTorch's own index:
+#   make install TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu     # CPU-only wheels
+#   make install TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128   # CUDA 12.8 wheels
+# Without it pip uses its configured index (PyPI's Linux wheels are CUDA builds). TORCH_SPEC
+# picks the version: by default the release the test suite runs on (pyproject admits torch>=2.3,<3).
+TORCH_SPEC      ?= torch==2.13.0
+TORCH_INDEX_URL ?=
+# Extras of the project (pyproject.toml): FAISS (cpu, or gpu = faiss-gpu-cu12 for CUDA 12; never
+# both), the bundled default embedder (offline), .jsonl.zst and saved-dataset readers (corpora) and
+# the test suite (dev). On a GPU machine:
+#   make install EXTRAS=gpu,offline,corpora,dev TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+EXTRAS ?= cpu,offline,corpora,dev
 STAMP  := $(VENV)/.installed
 CONFIG ?= configs/tiny.yaml
 
 export RAY_USAGE_STATS_ENABLED := 0
-export HF_HUB_OFFLINE := 1
-export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install demo test bench clean
@@ -17,13 +25,13 @@ export TOKENIZERS_PARALLELISM := false
 install: $(STAMP)
 
 # torch first, then DeepSpeed without build isolation (it builds against the installed torch),
-# then the project (editable) with the rest of its dependencies.
+# then the project (editable) with the rest of its dependencies and EXTRAS.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q '$(TORCH_SPEC)' $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
 	$(PY) -m pip install -q --no-build-isolation deepspeed
-	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
 	touch $(STAMP)
 
 demo: $(STAMP)

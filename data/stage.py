@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -116,6 +117,19 @@ def open_stage(stage_dir: Path, inputs: dict) -> dict | None:
     stage_dir.mkdir(parents=True, exist_ok=True)
     write_json(stage_dir / "inputs.json", inputs)
     return None
+
+
+# Fault injection, for tests of resumption: with RETROPIPE_KILL_AFTER=<stage>:<n> in its environment
+# a process kills itself (SIGKILL: no cleanup, no flush, as `kill -9` or the OOM killer would) right
+# after its n-th work unit of <stage> is on disk. A crash at a known point, instead of a test racing
+# the clock to kill the process mid-run.
+KILL_AFTER_ENV = "RETROPIPE_KILL_AFTER"
+
+
+def fault_point(stage: str, units_done: int) -> None:
+    """Die here if RETROPIPE_KILL_AFTER names this stage and this many finished units."""
+    if os.environ.get(KILL_AFTER_ENV) == f"{stage}:{units_done}":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 # executor(fn, iterable of argument tuples, max_in_flight) -> iterator of fn(*args), in any order.

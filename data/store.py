@@ -61,11 +61,6 @@ class SplitChunks:
             out[sel] = self._shard_tokens[s][ids[sel] - self._offsets[s]]
         return out
 
-    def all_tokens(self, start: int = 0, stop: int | None = None) -> np.ndarray:
-        """Tokens of chunks [start, stop) in order (a copy): for streaming passes like embedding."""
-        stop = len(self) if stop is None else stop
-        return self.tokens(np.arange(start, stop))
-
     def positions_in_document(self) -> np.ndarray:
         """(c,) int64: each chunk's index within its document (chunks of a document are consecutive)."""
         starts = np.ones(len(self), dtype=bool)

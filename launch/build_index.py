@@ -22,7 +22,7 @@ from data.store import ChunkStore
 from data.tokenizer import TokenizerError
 from launch.cli import config_from_args, entry_parser, quiet_engines
 from launch.config import save_config
-from launch.ray_utils import RayExecutor
+from launch.ray_utils import ClusterError, RayExecutor
 
 
 def open_chunk_store(data_dir: Path, workdir: str) -> ChunkStore:
@@ -46,11 +46,11 @@ def open_chunk_store(data_dir: Path, workdir: str) -> ChunkStore:
 
 def main(argv: list[str] | None = None) -> int:
     parser = entry_parser(__doc__)
-    parser.add_argument("--address", default=None, help="Ray cluster address (default: local or RAY_ADDRESS)")
+    parser.add_argument("--address", default=None,
+                        help="join this Ray cluster (HOST:PORT, or auto: the one `ray start` runs here); default: "
+                             "RAY_ADDRESS, else a private local Ray. With token authentication: RAY_AUTH_MODE=token")
     args = parser.parse_args(argv)
     quiet_engines(args.verbose)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     from retrieval.build import build_retrieval, summary
     from retrieval.config import RetrievalError
     from retrieval.ray_embed import RayEmbedRunner
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                                  embed_runner=runner, executor=executor, workers=os.cpu_count() or 2,
                                  progress=not args.no_progress)
         save_config(cfg, cfg.retrieval_dir)
-    except (ConfigError, DataError, TokenizerError, RetrievalError) as e:
+    except (ConfigError, DataError, TokenizerError, RetrievalError, ClusterError) as e:
         print(f"build_index: error: {e}", file=sys.stderr)
         return 2
     finally:

@@ -62,18 +62,32 @@ def resolve_device(name: str) -> str:
     return name
 
 
-def quiet_engines(verbose: bool) -> None:
-    """Ray and DeepSpeed log at WARNING unless --verbose, so RetroPipe's own lines stand out.
+# The environment variable that carries --verbose to every process started from an entry point
+# (Ray workers, DeepSpeed ranks, the demo's stages), which read it through `engines_verbose`.
+VERBOSE_ENV = "RETROPIPE_VERBOSE"
 
-    Sets environment variables too, so that Ray workers and DeepSpeed ranks started from here
-    inherit the level (RETROPIPE_VERBOSE=1 is how --verbose reaches them).
+
+def engines_verbose() -> bool:
+    return os.environ.get(VERBOSE_ENV) == "1"
+
+
+def quiet_engines(verbose: bool) -> None:
+    """The engines' console output at WARNING unless --verbose, so RetroPipe's own lines and bars stand out.
+
+    Quiet means: Ray, Ray Data and DeepSpeed log warnings and errors only (their full
+    logs stay in their files: Ray's session logs, ray-data.log); Ray Data's progress blocks and bars
+    give way to RetroPipe's bars (retrieval/ray_embed.py); model-loading bars are hidden
+    (retrieval/embedder.py). Everything is set through loggers here and environment variables that
+    the processes started from here inherit.
     """
     if verbose:
-        os.environ["RETROPIPE_VERBOSE"] = "1"
-    verbose = verbose or os.environ.get("RETROPIPE_VERBOSE") == "1"
+        os.environ[VERBOSE_ENV] = "1"
+    verbose = engines_verbose()
     level = logging.INFO if verbose else logging.WARNING
     for name in ("ray", "ray.data", "ray.train", "deepspeed", "DeepSpeed", "torch.distributed"):
         logging.getLogger(name).setLevel(level)
     if not verbose:
-        os.environ.setdefault("RAY_LOG_TO_STDERR", "0")
-        os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+        os.environ.setdefault("RAY_DEDUP_LOGS", "1")  # one line for what every worker prints alike
+        # A local Ray's notice that it turned token authentication on (it listens on this machine
+        # only and stops with the command): news to nobody running a RetroPipe CLI.
+        logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)

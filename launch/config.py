@@ -153,23 +153,34 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequenc
         if not sources.get(keys[0], "").endswith("--set"):
             sources[keys[0]] = f"{sources[keys[0]]} / --set" if keys[0] in sources else "--set"
 
-    kwargs = {}
-    for name, values in raw.items():
-        source = sources.get(name, "--set")
-        if name == "workdir":
-            kwargs["workdir"] = str(_check_type("workdir", values, str, source))
-        elif name in SECTIONS:
-            kwargs[name] = _build_section(name, values or {}, source)
-        else:
+    for name in raw:
+        if name != "workdir" and name not in SECTIONS:
             known = ", ".join(["workdir", *SECTIONS])
-            raise ConfigError(name, f"unknown section (known: {known})", source)
+            raise ConfigError(name, f"unknown section (known: {known})", sources.get(name, "--set"))
+    kwargs = {}
+    if "workdir" in raw:
+        kwargs["workdir"] = str(_check_type("workdir", raw["workdir"], str, sources.get("workdir", "--set")))
+    for name in SECTIONS:  # in field order: data before model, whose chunk_len it gives
+        values = raw.get(name)
+        if name == "model":
+            data = kwargs.get("data") or DataConfig()
+            values = _model_with_chunk_len(values or {}, data.chunk_len, sources.get("model"))
+        elif name not in raw:
+            continue
+        kwargs[name] = _build_section(name, values or {}, sources.get(name, "--set"))
     cfg = Config(**kwargs)
-    if "chunk_len" in raw.get("model", {}) and raw["model"]["chunk_len"] != cfg.data.chunk_len:
-        raise ConfigError("model.chunk_len", "is copied from data.chunk_len; set data.chunk_len instead",
-                          sources.get("model"))
-    cfg.model.chunk_len = cfg.data.chunk_len  # one source of truth: the data's chunking
     _validate_across_sections(cfg, str(path) if path else "--set")
     return cfg
+
+
+def _model_with_chunk_len(values, chunk_len: int, source: str | None):
+    """The model section with chunk_len = data.chunk_len (one source of truth: the data's chunking),
+    composed in before the section validates itself; a different model.chunk_len is refused."""
+    if not isinstance(values, dict):
+        return values  # _build_section names the section and what it expected
+    if "chunk_len" in values and values["chunk_len"] != chunk_len:
+        raise ConfigError("model.chunk_len", "is copied from data.chunk_len; set data.chunk_len instead", source)
+    return {**values, "chunk_len": chunk_len}
 
 
 def _validate_across_sections(cfg: Config, source: str) -> None:

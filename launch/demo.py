@@ -77,8 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     overrides = [*args.overrides, f"workdir={workdir}"]  # stages agree on one absolute workdir
     config = str(Path(args.config).resolve())
     report = load_config(config, overrides).reports_dir / "report.md"
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
+    # Not offline mode: the defaults need no network (bundled files), and a hub name given with
+    # --set is fetched as the user asked.
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"}
     began = time.perf_counter()
     for name, cmd in stages(config, overrides, args.nproc, workdir):
         if name == "evaluate" and is_newer(report, [workdir / "runs" / k / "summary.json" for k in ("gpt2", "retro")]):

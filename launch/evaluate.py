@@ -5,7 +5,9 @@
     python launch/evaluate.py --config configs/tiny.yaml --checkpoint runs/tiny/runs/retro --corpus other.jsonl
     python launch/evaluate.py --config configs/tiny.yaml --checkpoint runs/tiny/runs/retro --database OTHER/retrieval
 
-A checkpoint is a run directory (its model/ is read) or a model directory. Writes report.md,
+A checkpoint is a run directory (its model/ is read) or a model directory. `--device cuda` (or
+`auto` with a GPU visible, the default) loads the models, scores and embeds the queries there.
+Writes report.md,
 report.json, config.yaml and PNG plots into --out (default <workdir>/reports) and prints a table.
 `--corpus PATH` evaluates any held-out corpus (prepared with the training tokenizer, every
 document held out); `--database DIR` retrieves from another database built by
@@ -23,7 +25,7 @@ from pathlib import Path
 
 from data.config import ConfigError
 from data.readers import DataError
-from launch.cli import config_from_args, entry_parser, quiet_engines
+from launch.cli import config_from_args, entry_parser, quiet_engines, resolve_device
 from launch.config import save_config
 
 
@@ -50,8 +52,10 @@ def stored_embeddings(cfg, store):
     return None
 
 
-def neighbour_sources(cfg, store, split: str, out: Path, database_dir: Path):
-    """(neighbours of the evaluated split, database-size curve [(label, tokens, neighbours)])."""
+def neighbour_sources(cfg, store, split: str, out: Path, database_dir: Path, device: str = "cpu"):
+    """(neighbours of the evaluated split, database-size curve [(label, tokens, neighbours)]).
+
+    Queries not in the build's neighbours are embedded (and searched, where FAISS can) on `device`."""
     from data.neighbours import NeighbourStore
     from retrieval.heldout import database_subset, split_neighbours
     from retrieval.query import Retriever
@@ -61,12 +65,12 @@ def neighbour_sources(cfg, store, split: str, out: Path, database_dir: Path):
     if own:  # the training data against its own database: the neighbours the build computed
         neighbours = NeighbourStore.of(cfg.retrieval_dir, store, align=cfg.retrieval.align_neighbours)
     else:
-        retriever = Retriever(database_dir, cfg.retrieval)
+        retriever = Retriever(database_dir, cfg.retrieval, device=device)
         neighbours = split_neighbours(retriever, store, split, out / "neighbours" / _tag(str(database_dir)),
-                                      cfg.retrieval, stored_embeddings(cfg, store))
+                                      cfg.retrieval, stored_embeddings(cfg, store), device=device)
     curve = []
     if cfg.eval.database_curve:
-        retriever = retriever or Retriever(database_dir, cfg.retrieval)
+        retriever = retriever or Retriever(database_dir, cfg.retrieval, device=device)
         if len(retriever.database.parts) < 2:
             raise ConfigError("eval.database_curve", f"the database at {database_dir} holds the training split only; "
                               f"add corpora with retrieval.corpora (and run launch/build_index.py) to grow it")
@@ -75,7 +79,7 @@ def neighbour_sources(cfg, store, split: str, out: Path, database_dir: Path):
             allowed, tokens = database_subset(retriever.database, fraction, cfg.retrieval.seed)
             label = "training split" if fraction == 0 else f"+{fraction:.1%} of the further corpora"
             nbrs = split_neighbours(retriever, store, split, out / "neighbours" / f"{_tag(str(database_dir))}-{fraction:g}",
-                                    cfg.retrieval, query_emb, allowed)
+                                    cfg.retrieval, query_emb, allowed, device=device)
             curve.append((label, tokens, nbrs))
     return neighbours, curve
 
@@ -105,7 +109,7 @@ def evaluate(cfg, checkpoints: list[Path], split: str, out: Path, corpus: str | 
               for p in checkpoints]
     neighbours, curve = None, []
     if any(m.cfg.kind == "retro" for _, m in models):
-        neighbours, curve = neighbour_sources(cfg, store, split, out, database)
+        neighbours, curve = neighbour_sources(cfg, store, split, out, database, device)
     chunks = store.split(split)
     bar = (lambda name: lambda xs: tqdm(xs, desc=f"eval {name}", leave=False, dynamic_ncols=True)) if progress else None
     report = evaluate_models(models, chunks, token_byte_lengths(get_tokenizer(store.manifest["tokenizer"])), cfg.eval,
@@ -142,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.corpus and args.split:
         parser.error("--corpus evaluates a whole held-out corpus; --split applies to the training data only")
     try:
-        cfg = config_from_args(args)
+        cfg = config_from_args(args)  # --print-config exits here, before any model is read
+        device = resolve_device(args.device)
         for path in args.checkpoint:
             if not (model_dir_of(path) / "config.json").exists():
                 raise DataError(f"--checkpoint {path}: no model there (expected a run directory with model/, "
@@ -153,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.out is None and args.database:
             out = out / f"database-{_tag(str(args.database))}"
         report = evaluate(cfg, args.checkpoint, args.split or "validation", out, args.corpus, args.database,
-                          progress=not args.no_progress)
+                          device=device, progress=not args.no_progress)
     except (ConfigError, DataError, ValueError) as e:
         print(f"evaluate: error: {e}", file=sys.stderr)
         return 2

@@ -16,12 +16,14 @@ from data.readers import DataError
 from data.tokenizer import TokenizerError
 from launch.cli import config_from_args, entry_parser, quiet_engines
 from launch.config import save_config
-from launch.ray_utils import RayExecutor
+from launch.ray_utils import ClusterError, RayExecutor
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = entry_parser(__doc__)
-    parser.add_argument("--address", default=None, help="Ray cluster address (default: local or RAY_ADDRESS)")
+    parser.add_argument("--address", default=None,
+                        help="join this Ray cluster (HOST:PORT, or auto: the one `ray start` runs here); default: "
+                             "RAY_ADDRESS, else a private local Ray. With token authentication: RAY_AUTH_MODE=token")
     args = parser.parse_args(argv)
     quiet_engines(args.verbose)
     executor = None
@@ -30,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         executor = RayExecutor(args.address, num_cpus=cfg.data.num_workers)
         manifest = prepare(cfg.data, cfg.data_dir, executor=executor, progress=not args.no_progress)
         save_config(cfg, cfg.data_dir)
-    except (ConfigError, DataError, TokenizerError) as e:
+    except (ConfigError, DataError, TokenizerError, ClusterError) as e:
         print(f"prepare_data: error: {e}", file=sys.stderr)
         return 2
     finally:

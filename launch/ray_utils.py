@@ -1,8 +1,16 @@
 """The thin Ray adapter: a lazily started Ray session and a bounded, unordered task map.
 
 The core (data/, retrieval/) only sees an executor `map_unordered(fn, jobs, max_in_flight)`;
-this is the one place that knows about Ray tasks. `ray.init()` joins the cluster of a
-`ray job submit` (RAY_ADDRESS is set there) or `--address`, and otherwise starts a local one.
+this is the one place that knows about Ray tasks. Where Ray runs:
+  - no `--address` and no RAY_ADDRESS: a private local Ray, started and stopped here (never a
+    cluster that `ray start` left running on this machine);
+  - `--address HOST:PORT` (or `auto`: the cluster `ray start` started on this machine), or
+    RAY_ADDRESS (set inside a `ray job submit` job): that cluster is joined.
+Token authentication is Ray's (docs.ray.io, ray-security/token-auth): a local Ray writes
+~/.ray/auth_token and uses it; a client joining a cluster by address needs RAY_AUTH_MODE=token and
+the cluster's token (~/.ray/auth_token, RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN). Ray does not switch
+it on by itself for an explicit address, so that a token is never sent to an address by surprise;
+when a join fails, `ClusterError` says what to set.
 """
 
 from __future__ import annotations
@@ -12,19 +20,41 @@ import os
 from typing import Callable, Iterable, Iterator
 
 
+class ClusterError(RuntimeError):
+    """Joining a Ray cluster failed; the message says what to set."""
+
+
+def join_hint(address: str) -> str:
+    """What to do when joining `address` failed, given this process's RAY_AUTH_MODE."""
+    if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
+        return (f"if the cluster uses token authentication (Ray's default for clusters started with a token), "
+                f"`export RAY_AUTH_MODE=token` here, with the cluster's token in ~/.ray/auth_token, "
+                f"RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN (README, 'On a Ray cluster')")
+    return (f"RAY_AUTH_MODE=token is set: this machine's token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or "
+            f"~/.ray/auth_token) must be the one the cluster at {address} was started with")
+
+
 class RayExecutor:
     def __init__(self, address: str | None = None, num_cpus: int | None = None):
         self.address, self.num_cpus, self.started = address, num_cpus, False
 
     def ensure_started(self):
         import ray
+        from ray.exceptions import AuthenticationError
 
         if not ray.is_initialized():
             os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
-            local = self.address is None and not os.environ.get("RAY_ADDRESS")
-            ray.init(address=self.address, include_dashboard=False if local else None,
-                     num_cpus=self.num_cpus if local else None,
-                     logging_level=logging.WARNING, log_to_driver=True)
+            address = self.address or os.environ.get("RAY_ADDRESS") or None
+            quiet = {"logging_level": logging.WARNING, "log_to_driver": True}
+            if address is None:
+                ray.init(address="local", include_dashboard=False, num_cpus=self.num_cpus, **quiet)
+            else:
+                try:
+                    ray.init(address=address, **quiet)
+                except (ConnectionError, AuthenticationError) as e:
+                    reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                    raise ClusterError(f"cannot join the Ray cluster at {address} ({reason}); "
+                                       f"{join_hint(address)}") from None
             self.started = True
         return ray
 

@@ -21,7 +21,7 @@ from retrieval.config import RetrievalConfig, RetrievalError
 from retrieval.database import DatabaseVectors, prepare_corpora, write_database
 from retrieval.embed import EmbedRunner, Embeddings, embed_store, model_identity, resolve_model_path, \
     serial_embed_runner
-from retrieval.index import build_index, load_index, make_index, recall_check
+from retrieval.index import build_index, faiss_module, load_index, make_index, recall_check
 from retrieval.neighbours import MANIFEST_VERSION, query_neighbours
 
 
@@ -32,13 +32,11 @@ def check_inputs(cfg: RetrievalConfig, store: ChunkStore, dim: int | None = None
         raise RetrievalError(f"config key 'retrieval.k': {cfg.k} neighbours per chunk, but the database (the "
                              f"training split of {store.root} and retrieval.corpora) holds only {chunks} chunks")
     if dim is not None:
-        import faiss
-
         index = make_index(cfg.index, dim)
         # Training needs at least one vector per IVF list and per PQ centroid: say so now, not
         # after hours of embedding.
         sample = chunks if cfg.train_sample == 0 else min(cfg.train_sample, chunks)
-        ivf = faiss.try_extract_index_ivf(index)
+        ivf = faiss_module().try_extract_index_ivf(index)
         pq = re.search(r"PQ(\d+)(?:x(\d+))?", cfg.index)
         needs = max(ivf.nlist if ivf is not None else 0, 2 ** int(pq.group(2) or 8) if pq else 0)
         if not index.is_trained and sample < needs:
@@ -84,8 +82,8 @@ def build_retrieval(cfg: RetrievalConfig, store: ChunkStore, out_dir: str | Path
                     executor: Executor = serial_executor, workers: int = 2, progress: bool = False) -> dict:
     """Build (or finish, or skip) every stage into out_dir; return {stage: manifest}."""
     out = Path(out_dir)
+    check_inputs(cfg, store, _expected_dim(cfg, out / "embeddings"))  # before anything is written
     out.mkdir(parents=True, exist_ok=True)
-    check_inputs(cfg, store, _expected_dim(cfg, out / "embeddings"))
     parts = prepare_corpora(cfg.corpora, data_cfg or DataConfig(), store, out, executor, progress)
     check_inputs(cfg, store, database_chunks=sum(len(p.store.split("train")) for p in parts))
 

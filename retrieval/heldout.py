@@ -7,7 +7,7 @@
 The output is an ordinary neighbours directory (`<split>.npy` + manifest.json naming the query
 chunk store and the database, see retrieval/neighbours.py), read by `NeighbourStore` like the
 training data's. The query chunks are embedded with the database's embedder into
-`<out_dir>/embeddings` (skipped when `query_emb` already holds them, e.g. the training data's
+`<out_dir>/embeddings` on `device` (skipped when `query_emb` already holds them, e.g. the training data's
 validation split and a database embedded with the same model). Exclusion: a chunk never
 retrieves from a document with its own document's text (an exact copy of an evaluated document
 in the database is kept out and counted in the manifest); nothing else is excluded, and the
@@ -33,7 +33,7 @@ from data.readers import DataError
 from data.stage import fingerprint
 from data.store import ChunkStore
 from retrieval.config import RetrievalConfig
-from retrieval.embed import Embeddings, embed_store, serial_embed_runner
+from retrieval.embed import Embeddings, cached_embedder, embed_job, embed_store, serial_embed_runner
 from retrieval.neighbours import query_neighbours
 from retrieval.query import Retriever
 
@@ -65,15 +65,33 @@ def database_subset(database: Database, fraction: float, seed: int) -> tuple[np.
     return np.sort(np.concatenate(allowed)), int(tokens)
 
 
+def embed_runner_on(device: str):
+    """retrieval.embed's serial runner with the embedder on `device` (that one always uses the CPU)."""
+    if device == "cpu":
+        return serial_embed_runner
+
+    def runner(spec, jobs):
+        from data.tokenizer import get_tokenizer
+
+        if not jobs:
+            return
+        model = cached_embedder(spec.model_path, device)
+        store, encoding = ChunkStore(spec.data_dir), get_tokenizer(spec.tokenizer)
+        for job in jobs:
+            yield job, embed_job(model, store, encoding, job, spec.sub_batch)
+    return runner
+
+
 def split_neighbours(retriever: Retriever, store: ChunkStore, split: str, out_dir: Path, cfg: RetrievalConfig,
                      query_emb: Embeddings | None = None, allowed: np.ndarray | None = None,
-                     progress=None) -> NeighbourStore:
-    """Neighbours of every chunk of store's split in the retriever's database (cached in out_dir)."""
+                     progress=None, device: str = "cpu") -> NeighbourStore:
+    """Neighbours of every chunk of store's split in the retriever's database (cached in out_dir);
+    new query embeddings are computed on `device`."""
     out_dir = Path(out_dir)
     if query_emb is None or query_emb.manifest.get("model_sha256") != retriever.embedder_identity["sha256"]:
         emb_dir = out_dir.parent / "embeddings"
         emb_dir.mkdir(parents=True, exist_ok=True)
-        manifest = embed_store(store, emb_dir, cfg.embedder, cfg.embed_batch_size, serial_embed_runner)
+        manifest = embed_store(store, emb_dir, cfg.embedder, cfg.embed_batch_size, embed_runner_on(device))
         query_emb = Embeddings(emb_dir, manifest)
     if query_emb.manifest.get("chunk_store_fingerprint") != store.fingerprint:
         raise DataError(f"{query_emb.dir}: embeddings of another chunk store than {store.root}")
@@ -82,7 +100,7 @@ def split_neighbours(retriever: Retriever, store: ChunkStore, split: str, out_di
     inputs = neighbour_inputs(cfg, retriever.database, store, retriever.index_manifest, None,
                               query_embeddings=query_emb.fingerprint, split=split,
                               allowed=None if allowed is None else fingerprint(allowed.tolist()))
-    query_neighbours(retriever.index, query_emb, store, retriever.database, out_dir, inputs, retriever.k,
+    query_neighbours(retriever.index_for(allowed), query_emb, store, retriever.database, out_dir, inputs, retriever.k,
                      cfg.candidates, None, retriever.vectors.rows if retriever.rerank else None, splits=(split,),
                      progress=progress, allowed=allowed)
     return NeighbourStore(out_dir, store, align=cfg.align_neighbours)

@@ -37,9 +37,20 @@ MANIFEST_VERSION = 2  # 2: over the database's parts (ids are database ids)
 INDEX_FILE, IVFDATA_FILE, TRAINED_FILE = "index.faissindex", "index.ivfdata", "trained.faissindex"
 
 
+def faiss_module():
+    """The faiss module, or a RetrievalError saying which extra installs it (FAISS is an extra:
+    faiss-cpu and faiss-gpu-cu12 are the same module and cannot both be dependencies)."""
+    try:
+        import faiss
+    except ImportError:
+        raise RetrievalError("FAISS is not installed: pip install 'retropipe[cpu]' (faiss-cpu), or "
+                             "'retropipe[gpu]' (faiss-gpu-cu12) on a CUDA 12 machine") from None
+    return faiss
+
+
 def make_index(factory: str, dim: int):
     """An empty index from a factory string, or a RetrievalError naming retrieval.index."""
-    import faiss
+    faiss = faiss_module()
 
     try:
         index = faiss.index_factory(dim, factory, faiss.METRIC_L2)
@@ -57,7 +68,7 @@ def make_index(factory: str, dim: int):
 
 def merge_kind(index) -> str:
     """"ivf" (on-disk merge), "codes" (in-memory merge) or "serial" (not mergeable: one pass)."""
-    import faiss
+    faiss = faiss_module()
 
     if faiss.try_extract_index_ivf(index) is not None:
         return "ivf"
@@ -67,14 +78,14 @@ def merge_kind(index) -> str:
 
 
 def write_index(index, path: Path) -> None:
-    import faiss
+    faiss = faiss_module()
 
     faiss.write_index(index, str(tmp_path(path)))
     os.replace(tmp_path(path), path)
 
 
 def read_index(path: Path):
-    import faiss
+    faiss = faiss_module()
 
     if not Path(path).exists():
         raise RetrievalError(f"{path}: missing FAISS index; run build_index again")
@@ -87,7 +98,7 @@ def read_index(path: Path):
 
 def set_search_params(index, nprobe: int, ef_search: int) -> None:
     """retrieval.nprobe / retrieval.ef_search, wherever they apply inside the index."""
-    import faiss
+    faiss = faiss_module()
 
     ivf = faiss.try_extract_index_ivf(index)
     if ivf is not None:
@@ -117,7 +128,7 @@ def add_shard(trained_path: str, emb_path: str, first_id: int, out_path: str) ->
     Runs in a Ray task (retried if its worker dies) or in-process; the output is written
     atomically, so a retry or a rerun simply rewrites it.
     """
-    import faiss
+    faiss = faiss_module()
 
     index = faiss.read_index(trained_path)
     x = np.load(emb_path, mmap_mode="r", allow_pickle=False).astype(np.float32)  # (n, d)
@@ -180,7 +191,7 @@ def build_index(vectors, out_dir: Path, factory: str, train_sample: int, seed: i
     if kind == "ivf":
         merged = _merge_ivf(read_index(trained), shard_paths, out_dir)
     elif kind == "codes":
-        import faiss
+        faiss = faiss_module()
 
         merged = read_index(trained)
         for path in shard_paths:
@@ -207,7 +218,7 @@ def build_index(vectors, out_dir: Path, factory: str, train_sample: int, seed: i
 
 def _merge_ivf(index, shard_paths: list[Path], out_dir: Path):
     """merge_ondisk into index.ivfdata, both files renamed into place only when complete."""
-    import faiss
+    faiss = faiss_module()
     from faiss.contrib.ondisk import merge_ondisk
 
     data_tmp = tmp_path(out_dir / IVFDATA_FILE)
@@ -241,7 +252,7 @@ def search_params(index, allowed: np.ndarray | None):
     """
     if allowed is None:
         return None
-    import faiss
+    faiss = faiss_module()
 
     selector = faiss.IDSelectorBatch(len(allowed), faiss.swig_ptr(np.ascontiguousarray(allowed, dtype=np.int64)))
     ivf = faiss.try_extract_index_ivf(index)
@@ -276,7 +287,7 @@ def search(index, queries: np.ndarray, fetch: int, rows: Callable[[np.ndarray], 
 
 def exact_search(queries: np.ndarray, shards: Iterable[tuple[int, np.ndarray]], k: int) -> tuple[np.ndarray, np.ndarray]:
     """Exact L2 top-k over database shards given as (first id, (n, d)): (distances, ids), each (q, k)."""
-    import faiss
+    faiss = faiss_module()
 
     best_d = np.full((len(queries), 0), np.inf, dtype=np.float32)
     best_i = np.full((len(queries), 0), -1, dtype=np.int64)

@@ -9,10 +9,17 @@ index and search settings (candidates, re-ranking), as the neighbour stage used.
 excludes nothing (a new text has no document in the database; a prompt copied from a training
 document will find it, as RETRO would); `exclude` takes document text hashes to keep out, as
 evaluation of a held-out corpus needs. Plain numpy / FAISS / sentence-transformers: no Ray.
+
+On `device="cuda"` the embedder runs on the GPU, and so do searches where the FAISS build has GPU
+support (faiss-gpu, `faiss.StandardGpuResources`) and the index type has a GPU version (Flat,
+IVF-Flat, IVF-PQ, IVF-SQ): `gpu_index` copies the index there. Everything else searches the CPU
+index: HNSW, searches restricted to `allowed` ids (FAISS's GPU indexes ignore IDSelectors), and
+fetches beyond the GPU's top-k limit.
 """
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +35,8 @@ from retrieval.neighbours import find_neighbours
 
 BUILD = "python launch/build_index.py --config <your config>"
 STAGES = ("index", "neighbours")
+# FAISS's GPU k-selection handles at most this many results per query (GPU_MAX_SELECTION_K).
+GPU_MAX_K = 2048
 
 
 def check_database(retrieval_dir: str | Path) -> None:
@@ -41,6 +50,28 @@ def check_database(retrieval_dir: str | Path) -> None:
 def query_text(tokens: list[int], encoding, eot_id: int) -> str:
     """The text of one (possibly partial) chunk, decoded as the database's chunks were."""
     return chunk_texts(np.asarray([tokens]), np.asarray([len(tokens)]), encoding, eot_id)[0]
+
+
+def gpu_index(index, device: str, nprobe: int, fetch: int):
+    """(GPU copy of index, its GpuResources), or None where searches stay on the CPU: device not
+    cuda, FAISS without GPU support, no GPU, a fetch over GPU_MAX_K, or an index type FAISS cannot
+    copy (a warning then says so)."""
+    if not str(device).startswith("cuda") or fetch > GPU_MAX_K:
+        return None
+    import faiss
+
+    if not hasattr(faiss, "StandardGpuResources") or faiss.get_num_gpus() < 1:
+        return None
+    gpu = int(str(device).partition(":")[2] or 0)                        # "cuda:1" → GPU 1
+    try:
+        resources = faiss.StandardGpuResources()
+        moved = faiss.index_cpu_to_gpu(resources, gpu, index)
+        if faiss.try_extract_index_ivf(index) is not None:
+            faiss.GpuParameterSpace().set_index_parameter(moved, "nprobe", nprobe)
+    except RuntimeError as e:  # FAISS raises RuntimeError for an index type without a GPU version
+        warnings.warn(f"FAISS index stays on the CPU: {str(e).splitlines()[0]}", stacklevel=2)
+        return None
+    return moved, resources
 
 
 class Retriever:
@@ -63,6 +94,8 @@ class Retriever:
         # Search as the neighbour stage did: `candidates` fetched, re-ranked unless the index is exact.
         self.fetch = min(max(cfg.candidates, self.k), self.index.ntotal)
         self.rerank = cfg.rerank and index_manifest["factory"] != "Flat"
+        # On a GPU where FAISS can: (index, resources), the resources kept alive with the index.
+        self.gpu = gpu_index(self.index, device, cfg.nprobe, self.fetch)
         # A query embedded by another model than the database's would land anywhere.
         model_path = resolve_model_path(cfg.embedder)
         self.embedder_identity = model_identity(model_path, cfg.embedder)
@@ -79,6 +112,11 @@ class Retriever:
             self._model = cached_embedder(str(self.model_path), self.device)
         return self._model
 
+    def index_for(self, allowed: np.ndarray | None = None):
+        """The index to search: the GPU copy where there is one, unless the search is restricted
+        to `allowed` ids (GPU indexes would ignore that), else the CPU index."""
+        return self.gpu[0] if self.gpu is not None and allowed is None else self.index
+
     def search(self, vectors: np.ndarray, k: int, exclude: np.ndarray | None = None,
                allowed: np.ndarray | None = None) -> np.ndarray:
         """(q, k) int64 database ids of query vectors (q, d), nearest first, -1 where fewer survive.
@@ -88,7 +126,7 @@ class Retriever:
         """
         k = check_neighbour_count(k, self.k, f"the database at {self.dir}")
         exclude = exclude if exclude is not None else np.zeros((len(vectors), 1), dtype=np.uint64)
-        return find_neighbours(self.index, self.database, vectors, exclude, k, self.fetch,
+        return find_neighbours(self.index_for(allowed), self.database, vectors, exclude, k, self.fetch,
                                self.vectors.rows if self.rerank else None, allowed)
 
     def neighbour_ids(self, texts: list[str], k: int) -> np.ndarray:

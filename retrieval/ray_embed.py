@@ -10,6 +10,8 @@ sees (a shared filesystem on a multi-node cluster).
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from typing import Iterator
 
@@ -23,14 +25,12 @@ class EmbedChunks:
     """Ray Data class UDF: one model per actor; a batch is a few jobs, each embedded whole."""
 
     def __init__(self, spec: EmbedSpec, device: str, threads: int):
-        from pathlib import Path
-
         from data.store import ChunkStore
         from data.tokenizer import get_tokenizer
-        from retrieval.embed import load_embedder
+        from retrieval.embedder import load_embedder, local_model_path
 
         self.spec = spec
-        self.model = load_embedder(Path(spec.model_path), device=device, threads=threads)
+        self.model = load_embedder(local_model_path(spec.model_path, spec.hub_name), device=device, threads=threads)
         self.store, self.encoding = ChunkStore(spec.data_dir), get_tokenizer(spec.tokenizer)
 
     def embed_one(self, job: EmbedJob) -> np.ndarray:
@@ -46,6 +46,17 @@ class EmbedChunks:
             chunks.append(np.arange(job.start, job.stop, dtype=np.int64))
             splits.append(np.full(job.stop - job.start, split, dtype=np.int8))
         return {"split": np.concatenate(splits), "chunk": np.concatenate(chunks), "embedding": np.concatenate(vectors)}
+
+
+def quiet_ray_data() -> None:
+    """Ray Data's console at WARNING (its progress blocks are INFO; ray-data.log keeps everything),
+    and no advice about the progress bars the runner turns off on purpose (RetroPipe's bar shows)."""
+    from ray.util.debug import log_once
+
+    for handler in logging.getLogger("ray.data").handlers:
+        if handler.name == "console":
+            handler.setLevel(logging.WARNING)
+    log_once("ray_data_progress_manager_disabled")  # the key of that advice: taken, so it is not given
 
 
 class RayEmbedRunner:
@@ -103,7 +114,9 @@ class RayEmbedRunner:
         from ray.data import DataContext
 
         ctx = DataContext.get_current()
-        ctx.enable_progress_bars = self.progress
+        if os.environ.get("RETROPIPE_VERBOSE") != "1":  # launch/cli.py quiet_engines: RetroPipe's bars only
+            quiet_ray_data()
+        ctx.enable_progress_bars = os.environ.get("RETROPIPE_VERBOSE") == "1" and self.progress
         ctx.print_on_execution_start = False
         # A replacement actor that dies while loading the model is replaced again, a few times.
         ctx.max_consecutive_actor_init_deaths = max(ctx.max_consecutive_actor_init_deaths, 2)

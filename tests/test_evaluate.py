@@ -69,6 +69,27 @@ def test_sliding_window_scores_every_token_once(tiny):
         score_split(model, chunks, token_byte_lengths(enc), window=30, stride=10)
 
 
+def test_scoring_makes_its_tensors_on_the_models_device(tiny):
+    """The CUDA path checked on CPU: under a "meta" default device, a tensor made without device=
+    would land on meta and fail against the CPU model; the scores are unchanged."""
+    from training.retro import Retro
+
+    chunks, model, enc = tiny
+    torch.manual_seed(0)
+    retro = Retro(ModelConfig(kind="retro", n_layer=2, n_head=2, n_embd=16, n_positions=128, chunk_len=8,
+                              encoder_layers=1, encoder_embd=8, encoder_head=2)).eval()
+
+    class Neighbours:  # any source of (b, l, k, r) ids: each chunk's own tokens, twice
+        def neighbour_tokens(self, split, ids, k=None):
+            own = chunks.tokens(ids.reshape(-1)).astype(np.int64).reshape(*ids.shape, 1, 8)
+            return np.concatenate([own, own], -1).repeat(2, axis=-2)
+
+    for net, source in ((model, None), (retro, Neighbours())):
+        expected = score_split(net, chunks, token_byte_lengths(enc), 16, 8, source, k=2).bits_per_byte()
+        with torch.device("meta"):
+            assert score_split(net, chunks, token_byte_lengths(enc), 16, 8, source, k=2).bits_per_byte() == expected
+
+
 def test_longest_common_substring_and_alpha():
     a = np.array([1, 2, 3, 4, 5, 6, 7, 8])
     assert longest_common_substring(a, np.array([9, 3, 4, 5, 9, 1, 2])) == 3
@@ -111,6 +132,45 @@ def evaluated(tmp_path_factory):
     return root, [a for s in sets for a in ("--set", s)]
 
 
+def direct_neighbours(database_dir, store, split, found_ids, k):
+    """(expected (q, k), found (q, k)) squared L2 distances of a split's chunks' k nearest database chunks,
+    by an exact FAISS search over the database's stored vectors, and of `found_ids`; own (q,) whether a
+    query's nearest chunk was one of its own document's, excluded. The queries are embedded here with
+    the bundled MiniLM and rounded to float16, as the embedding stage stores them. A copy of the same
+    chunk (same document text, same place) counts once, as retrieval/neighbours.py keeps one."""
+    import faiss
+
+    from data.database import Database
+    from data.tokenizer import get_tokenizer
+    from retrieval.database import open_vectors
+    from retrieval.embed import chunk_texts, embed, load_embedder, resolve_model_path
+
+    db, chunks, doc_hash = Database(database_dir), store.split(split), store.text_hashes(split)
+    vectors = open_vectors(db).rows(np.arange(len(db))).astype(np.float32)         # (N, d)
+    ids = np.arange(len(chunks))
+    texts = chunk_texts(chunks.tokens(ids), chunks.lengths[ids], get_tokenizer("gpt2"), get_tokenizer("gpt2").eot_token)
+    queries = embed(load_embedder(resolve_model_path("")), texts).astype(np.float16).astype(np.float32)
+    index = faiss.IndexFlatL2(vectors.shape[1])
+    index.add(vectors)
+    dist, order = index.search(queries, len(db))                                  # every database chunk, nearest first
+    expected, own = np.zeros((len(ids), k)), np.zeros(len(ids), dtype=bool)
+    for q in ids:
+        seen, picked = set(), []
+        for d, i in zip(dist[q], order[q]):
+            key = (db.text_hashes[i], db.positions[i])
+            if db.text_hashes[i] == doc_hash[q]:
+                own[q] |= not picked
+                continue
+            if key not in seen:
+                seen.add(key)
+                picked.append(d)
+            if len(picked) == k:
+                break
+        expected[q] = picked
+    found = ((vectors[found_ids] - queries[:, None]) ** 2).sum(-1)
+    return expected, found, own
+
+
 def test_evaluate_writes_every_report_file(evaluated, capsys):
     from launch.evaluate import main
 
@@ -136,8 +196,10 @@ def test_evaluate_a_held_out_corpus_against_the_training_database(evaluated, tmp
 
     root, sets = evaluated
     corpus = tmp_path / "other.jsonl"
+    # The last document is a copy of a training document: its chunks must not retrieve that document.
     corpus.write_text("".join(json.dumps({"id": f"o{i}", "text": t}) + "\n" for i, t in enumerate(
-        ["the ship sails across stormy ocean waves at night", "bakers knead dough for fresh bread and rolls"])))
+        ["the ship sails across stormy ocean waves at night", "bakers knead dough for fresh bread and rolls",
+         "apples and pears grow in the orchard"])))
     out = tmp_path / "report"
     assert main(["--config", "configs/tiny.yaml", *sets, "--corpus", str(corpus), "--out", str(out),
                  "--checkpoint", str(root / "runs" / "retro")]) == 0
@@ -145,8 +207,61 @@ def test_evaluate_a_held_out_corpus_against_the_training_database(evaluated, tmp
     assert report["corpus"] == str(corpus) and len(report["rows"]) == 3
     (ids_file,) = (out / "neighbours").glob("*/validation.npy")
     ids = np.load(ids_file, allow_pickle=False)
-    train_chunks = len(ChunkStore(root / "data").split("train"))
-    assert ids.shape[1] == 2 and (ids >= 0).all() and (ids < train_chunks).all()  # the database's k, from its training split
+    assert ids.shape[1] == 2 and (ids >= 0).all()                   # the database's k
+    # They are the right neighbours: a direct exact search of the database's vectors with the
+    # chunks embedded anew, own-document chunks excluded, gives the same distances.
+    expected, found, own = direct_neighbours(root / "retrieval", ChunkStore(out / "data"), "validation", ids, k=2)
+    np.testing.assert_allclose(found, expected, atol=1e-3)
+    assert own.any()                                                # the copied document was there to exclude
     # A missing corpus is a clear error, exit 2.
     assert main(["--config", "configs/tiny.yaml", *sets, "--corpus", str(tmp_path / "nope.jsonl"), "--out",
                  str(tmp_path / "r2"), "--checkpoint", str(root / "runs" / "retro")]) == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where torch sees no GPU")
+def test_evaluate_device_cuda_without_a_gpu_is_a_one_line_error_and_writes_nothing(evaluated, tmp_path, capsys):
+    from launch.evaluate import main
+
+    root, sets = evaluated
+    out = tmp_path / "report"
+    code = main(["--config", "configs/tiny.yaml", *sets, "--checkpoint", str(root / "runs" / "gpt2"),
+                 "--out", str(out), "--device", "cuda"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--device" in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
+
+
+def test_evaluate_print_config_prints_yaml_and_loads_no_model(tmp_path, capsys):
+    import yaml
+
+    from launch.evaluate import main
+
+    with pytest.raises(SystemExit) as exit:   # as argparse's --help: SystemExit(0)
+        main(["--config", "configs/tiny.yaml", "--set", "eval.stride=64", "--checkpoint",
+              str(tmp_path / "no-such-run"), "--device", "cuda", "--no-progress", "--print-config"])
+    out = capsys.readouterr().out
+    assert exit.value.code == 0 and yaml.safe_load(out)["eval"]["stride"] == 64
+    assert not any(tmp_path.iterdir())
+
+
+def test_faiss_searches_the_cpu_index_unless_faiss_and_a_gpu_can(evaluated):
+    import faiss
+
+    from retrieval.query import GPU_MAX_K, Retriever, gpu_index
+    from tests.test_retrieval import retrieval_cfg
+
+    root, _ = evaluated
+    retriever = Retriever(root / "retrieval", retrieval_cfg())
+    assert retriever.gpu is None and retriever.index_for() is retriever.index
+    assert gpu_index(retriever.index, "cpu", 16, 10) is None
+    assert gpu_index(retriever.index, "cuda", 16, GPU_MAX_K + 1) is None       # beyond the GPU's top-k
+    gpu_faiss = hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
+    if not gpu_faiss:                                                            # faiss-cpu: no copy, no error
+        assert gpu_index(retriever.index, "cuda", 16, 10) is None
+        return
+    on_gpu = Retriever(root / "retrieval", retrieval_cfg(), device="cuda")       # faiss-gpu on a GPU machine
+    assert on_gpu.gpu is not None and on_gpu.index_for() is on_gpu.gpu[0]
+    allowed = np.arange(3, dtype=np.int64)
+    assert on_gpu.index_for(allowed) is on_gpu.index                            # GPU indexes ignore IDSelectors
+    queries = retriever.vectors.rows(np.arange(8)).astype(np.float32)
+    np.testing.assert_array_equal(on_gpu.search(queries, 2), retriever.search(queries, 2))

@@ -21,7 +21,7 @@ from training import save_model
 from training.config import ModelConfig
 from training.model import GPT2
 from training.retro import Retro
-from training.sampling import context_window, generate, sample_next
+from training.sampling import context_window, generate, generate_samples, sample_next
 
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -59,11 +59,15 @@ def stub_neighbours(chunk_tokens: list[int]) -> np.ndarray:
 
 
 class Recorder:
-    """Records each forward's (tokens, neighbours) through a forward pre-hook (the real model runs)."""
+    """Records the (tokens, neighbours) of each full-window pass (model.hidden; the real model runs)."""
 
     def __init__(self, model: nn.Module):
-        self.calls = []
-        model.register_forward_pre_hook(lambda mod, args: self.calls.append([a.clone() for a in args]))
+        self.calls, hidden = [], model.hidden
+
+        def record(tokens, neighbours=None):
+            self.calls.append([tokens.clone(), neighbours.clone()])
+            return hidden(tokens, neighbours)
+        model.hidden = record
 
 
 # --- sampling filters -------------------------------------------------------------------------
@@ -116,7 +120,7 @@ def test_retrieves_at_chunk_boundaries_and_feeds_each_chunk_its_neighbours():
 
     recorder = Recorder(model)
     prompt = [464, 3290, 318, 257, 1332]                   # 5 tokens: shorter than one chunk
-    out = generate(model, prompt, 40, seed=0, retrieve=retrieve)
+    out = generate(model, prompt, 40, seed=0, retrieve=retrieve, cache=False)  # forward sees the whole window
     assert out.stop == "max_tokens" and len(out.tokens) == 45
     # The partial prompt chunk at the start, then each chunk as the sequence completes it (and
     # a token follows): lengths 8, 16, 24, 32, 40. Never in between.
@@ -168,6 +172,73 @@ def test_prompt_of_whole_chunks_is_retrieved_at_the_start():
     assert [(r.chunk, r.seq_len, r.query_len) for r in out.retrievals] == [(0, 16, 8), (1, 16, 8)]
 
 
+# --- the key/value cache and batches of samples ---------------------------------------------------
+
+def events(out):
+    return [(r.chunk, r.seq_len, r.query_len, r.neighbours.tolist()) for r in out.retrievals]
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "retro"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("prompt_len", [5, 2 * M + 3])   # shorter than a chunk; longer than one, partial last
+def test_cache_gives_exactly_the_tokens_of_the_full_forward(kind, temperature, prompt_len):
+    """Through RETRO's retrievals at chunk boundaries and past n_positions (the window slides:
+    4 chunks of context, 45 tokens and more)."""
+    model = model_of(tiny(kind, n_positions=4 * M))
+    calls = {True: [], False: []}
+
+    def retrieve(cache):
+        def fn(chunk_tokens, u):
+            calls[cache].append((u, list(chunk_tokens)))
+            return stub_neighbours(chunk_tokens)
+        return fn if kind == "retro" else None
+
+    prompt = list(range(464, 464 + prompt_len))
+    outs = {cache: generate(model, prompt, 40, temperature=temperature, top_k=50, top_p=0.95, seed=3,
+                            retrieve=retrieve(cache), cache=cache) for cache in (True, False)}
+    assert len(outs[True].tokens) == prompt_len + 40 > model.cfg.n_positions
+    assert outs[True].tokens == outs[False].tokens
+    assert events(outs[True]) == events(outs[False]) and calls[True] == calls[False]
+    if kind == "retro":
+        assert len(outs[True].retrievals) >= 5
+        off = {cache: generate(model, prompt, 40, temperature=temperature, seed=3, cache=cache).tokens
+               for cache in (True, False)}                     # RETRO[OFF]
+        assert off[True] == off[False]
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "retro"])
+def test_samples_of_a_batch_are_the_single_runs_of_their_seeds(kind):
+    model = model_of(tiny(kind))
+    retrieve = (lambda toks, u: stub_neighbours(toks)) if kind == "retro" else None
+    prompt = [464, 3290, 318]
+    free = generate_samples(model, prompt, 20, 3, temperature=1.0, seed=5, retrieve=retrieve)
+    assert len({tuple(o.tokens) for o in free}) == 3              # independent samples
+    # An end-of-text id that sample 0 draws early: it leaves the batch, the others go on.
+    eot = free[0].new_tokens[4]
+    for cache in (True, False):
+        batch = generate_samples(model, prompt, 20, 3, temperature=1.0, seed=5, eot_id=eot, retrieve=retrieve,
+                                 cache=cache)
+        single = [generate(model, prompt, 20, temperature=1.0, seed=5 + j, eot_id=eot, retrieve=retrieve, cache=cache)
+                  for j in range(3)]
+        assert batch[0].stop == "eot" and len(batch[0].new_tokens) <= 5
+        assert any(o.stop == "max_tokens" for o in batch)
+        assert [o.tokens for o in batch] == [o.tokens for o in single]
+        assert [events(o) for o in batch] == [events(o) for o in single]
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "retro"])
+def test_every_tensor_of_a_step_is_made_on_the_models_device(kind):
+    """What a CPU-only machine can check of the CUDA path: with the default device set to "meta",
+    a tensor made without device= lands on meta, and mixing it with the (CPU) model fails."""
+    model = model_of(tiny(kind, n_positions=4 * M))
+    retrieve = (lambda toks, u: stub_neighbours(toks)) if kind == "retro" else None
+    prompt, kw = list(range(400, 419)), dict(temperature=1.0, top_k=50, top_p=0.9, seed=1, retrieve=retrieve)
+    reference = [o.tokens for o in generate_samples(model, prompt, 30, 2, **kw)]
+    for cache in (True, False):
+        with torch.device("meta"):
+            assert [o.tokens for o in generate_samples(model, prompt, 30, 2, cache=cache, **kw)] == reference
+
+
 # --- end-of-text ----------------------------------------------------------------------------
 
 class Counter(nn.Module):
@@ -175,19 +246,20 @@ class Counter(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.cfg = ModelConfig(kind="gpt2", vocab_size=10, n_positions=16, n_layer=1, n_head=1, n_embd=2)
-        self.unused = nn.Parameter(torch.zeros(1))  # generate reads the device from the parameters
+        self.cfg = ModelConfig(kind="gpt2", vocab_size=10, n_positions=16, n_layer=1, n_head=1, n_embd=10)
+        self.wte = nn.Embedding(10, 10)     # the tied head reads it: the identity, so logits = hidden
+        nn.init.eye_(self.wte.weight)
 
-    def forward(self, tokens):
+    def hidden(self, tokens, neighbours=None):
         b, n = tokens.shape
         target = torch.clamp(torch.arange(n) + 1, max=9).where(torch.arange(n) < 5, torch.tensor(9))
         return torch.nn.functional.one_hot(target, 10).float()[None].expand(b, n, 10) * 50.0
 
 
 def test_stops_at_end_of_text_or_max_tokens():
-    out = generate(Counter(), [0], 20, temperature=1.0, seed=0, eot_id=9)
+    out = generate(Counter(), [0], 20, temperature=1.0, seed=0, eot_id=9, cache=False)   # Counter has no decode
     assert out.tokens == [0, 1, 2, 3, 4, 5, 9] and out.stop == "eot" and out.new_tokens[-1] == 9
-    out = generate(Counter(), [0], 3, temperature=1.0, seed=0, eot_id=9)
+    out = generate(Counter(), [0], 3, temperature=1.0, seed=0, eot_id=9, cache=False)
     assert out.tokens == [0, 1, 2, 3] and out.stop == "max_tokens"
 
 
@@ -264,3 +336,70 @@ def test_cli_errors_are_exit_2_and_say_what_to_do(workdir, tmp_path, capsys):
     code, out, err = cli(tmp_path, "--checkpoint", str(workdir / "runs" / "retro"), "--neighbours", "0",
                          "--max-new-tokens", "3", capsys=capsys)
     assert code == 0 and "0 retrievals" in err, err
+
+
+# --- --device and --print-config -------------------------------------------------------------------
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where torch sees no GPU")
+def test_cli_device_cuda_without_a_gpu_is_a_one_line_error(workdir, capsys):
+    from launch.generate import main
+
+    code = main(["--config", str(ROOT / "configs" / "tiny.yaml"), "--set", f"workdir={workdir}",
+                 "--checkpoint", str(workdir / "runs" / "gpt2"), "--device", "cuda"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--device" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_cli_print_config_prints_yaml_and_loads_no_model(tmp_path, capsys):
+    import yaml
+
+    from launch.generate import main
+
+    # The checkpoint does not exist and cuda may be absent: --print-config touches neither.
+    with pytest.raises(SystemExit) as exit:   # as argparse's --help: SystemExit(0)
+        main(["--config", str(ROOT / "configs" / "tiny.yaml"), "--set", "data.chunk_len=16",
+              "--checkpoint", str(tmp_path / "no-such-run"), "--device", "cuda", "--no-progress", "--print-config"])
+    out = capsys.readouterr().out
+    assert exit.value.code == 0 and yaml.safe_load(out)["data"]["chunk_len"] == 16
+
+
+# --- --prompt-file and --num-samples ----------------------------------------------------------------
+
+def outputs(stdout: str) -> dict[tuple[int, int], str]:
+    """The outputs of a run with several, by (prompt, sample), from their "=== prompt P of Q, sample J of N" heads."""
+    parts = stdout.split("=== prompt ")[1:]
+    return {(int(p.split()[0]), int(p.split("sample ")[1].split()[0])): p.split("===\n", 1)[1] for p in parts}
+
+
+def test_cli_prompt_file_and_num_samples(workdir, tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the ship sails across\n\napples and pears grow in\n")      # the empty line is skipped
+    run = ("--checkpoint", str(workdir / "runs" / "retro"), "--max-new-tokens", "10", "--temperature", "1",
+           "--show-neighbours", "--no-progress")
+    code, out, err = cli(workdir, *run, "--prompt-file", str(prompts), "--num-samples", "2", "--seed", "4",
+                         capsys=capsys)
+    assert code == 0, err
+    got = outputs(out)
+    assert sorted(got) == [(1, 1), (1, 2), (2, 1), (2, 2)] and err.count("10 new tokens") == 4
+    assert got[1, 1].startswith("the ship sails across") and got[2, 2].startswith("apples and pears grow in")
+    assert got[1, 1] != got[1, 2]                                          # independent samples
+    # Sample 2 of prompt 2 (seed 5), neighbours included, is the single run with --seed 5.
+    code, single, _ = cli(workdir, *run, "--prompt", "apples and pears grow in", "--seed", "5", capsys=capsys)
+    assert code == 0 and "=== prompt" not in single and got[2, 2] == single
+
+
+def test_cli_prompt_file_and_num_samples_errors_name_the_flag(workdir, tmp_path, capsys):
+    gpt2 = ("--checkpoint", str(workdir / "runs" / "gpt2"))
+    code, _, err = cli(workdir, *gpt2, "--prompt-file", str(tmp_path / "none.txt"), capsys=capsys)
+    assert code == 2 and "--prompt-file" in err and "none.txt" in err
+    (tmp_path / "empty.txt").write_text("\n  \n")
+    code, _, err = cli(workdir, *gpt2, "--prompt-file", str(tmp_path / "empty.txt"), capsys=capsys)
+    assert code == 2 and "--prompt-file" in err and "no prompt" in err
+    (tmp_path / "latin1.txt").write_bytes("first\ncaf\xe9\n".encode("latin-1"))
+    code, _, err = cli(workdir, *gpt2, "--prompt-file", str(tmp_path / "latin1.txt"), capsys=capsys)
+    assert code == 2 and "line 2" in err and "UTF-8" in err
+    code, _, err = cli(workdir, *gpt2, "--num-samples", "0", capsys=capsys)
+    assert code == 2 and "--num-samples" in err
+    with pytest.raises(SystemExit) as exit:                                # argparse: one or the other
+        cli(workdir, *gpt2, "--prompt", "a", "--prompt-file", str(tmp_path / "empty.txt"), capsys=capsys)
+    assert exit.value.code == 2 and "--prompt-file" in capsys.readouterr().err

@@ -1,5 +1,6 @@
 """Exact interchange with Hugging Face GPT2LMHeadModel: in memory, via directories, via the CLI."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +10,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from launch.convert_gpt2 import main as convert
-from training import load_model, retrofit
+from training import load_model, retrofit, save_model
 from training.config import ModelConfig
 from training.hf_interop import gpt2_from_hf, save_hf, to_hf
 from training.model import GPT2
@@ -94,3 +95,61 @@ def test_corrupt_hf_directory_is_a_clear_error(tmp_path):
     (tmp_path / "hf" / "model.safetensors").write_bytes(b"not safetensors")
     assert convert(["--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "out")]) == 2
     assert not (tmp_path / "out").exists()
+
+
+# --- the hand-off: pipeline() on an export, hub names ------------------------------------------------
+
+def test_to_hf_export_runs_in_a_transformers_pipeline_offline_with_our_greedy_tokens(tmp_path, capsys, monkeypatch):
+    """The export holds the GPT-2 tokenizer and a generation config: pipeline("text-generation")
+    tokenizes as tiktoken does and its greedy continuation is launch/generate.py --temperature 0's."""
+    from transformers import pipeline
+
+    from data.tokenizer import get_tokenizer
+    from launch.generate import main as generate_cli
+    from training.sampling import generate
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    torch.manual_seed(0)
+    ours = GPT2(ModelConfig(vocab_size=50257, n_positions=64, n_layer=2, n_head=2, n_embd=32)).eval()
+    with torch.no_grad():  # larger weights than the init's, so that greedy decoding does not just repeat a token
+        for p in ours.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    save_model(ours, tmp_path / "ours")
+    assert convert(["--to-hf", str(tmp_path / "ours"), "--out", str(tmp_path / "hf")]) == 0
+    assert "GPT-2 tokenizer" in capsys.readouterr().out
+    for name in ("config.json", "model.safetensors", "generation_config.json", "vocab.json", "merges.txt",
+                 "tokenizer_config.json"):
+        assert (tmp_path / "hf" / name).is_file(), name
+
+    prompt, new = "The hacker, naïve café", 16
+    pipe = pipeline("text-generation", model=str(tmp_path / "hf"), device="cpu")
+    enc = get_tokenizer("gpt2")
+    assert len(pipe.tokenizer) == 50257 and pipe.tokenizer.encode(prompt) == enc.encode_ordinary(prompt)
+    ids = pipe(prompt, max_new_tokens=new, do_sample=False, return_tensors=True)[0]["generated_token_ids"]
+    expected = generate(ours, enc.encode_ordinary(prompt), new, temperature=0, eot_id=enc.eot_token).tokens
+    assert list(ids) == expected and len(set(expected[-new:])) > 4
+    # The CLI prints the same text as the pipeline.
+    text = pipe(prompt, max_new_tokens=new, do_sample=False)[0]["generated_text"]
+    code = generate_cli(["--config", str(ROOT / "configs" / "tiny.yaml"), "--checkpoint", str(tmp_path / "ours"),
+                         "--prompt", prompt, "--temperature", "0", "--max-new-tokens", str(new), "--device", "cpu"])
+    assert code == 0 and capsys.readouterr().out == text + "\n"
+
+
+def test_to_hf_of_a_small_vocabulary_writes_no_tokenizer(tmp_path, capsys):
+    torch.manual_seed(0)
+    save_model(GPT2(ModelConfig(vocab_size=101, n_positions=64, n_layer=1, n_head=2, n_embd=32)), tmp_path / "ours")
+    assert convert(["--to-hf", str(tmp_path / "ours"), "--out", str(tmp_path / "hf")]) == 0
+    assert "no tokenizer: vocab_size 101" in capsys.readouterr().out
+    assert (tmp_path / "hf" / "generation_config.json").is_file() and not (tmp_path / "hf" / "vocab.json").exists()
+
+
+def test_from_hf_hub_name_without_a_network_is_a_one_line_error(tmp_path):
+    """A hub name is tried through huggingface_hub's cache; offline and not cached: exit 2, one
+    line naming --from-hf, nothing written. (A fresh process: huggingface_hub reads
+    HF_HUB_OFFLINE when imported.)"""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home")}
+    run = subprocess.run([sys.executable, str(ROOT / "launch" / "convert_gpt2.py"), "--from-hf", "gpt2",
+                          "--out", str(tmp_path / "out")], capture_output=True, text=True, cwd=ROOT, env=env)
+    assert run.returncode == 2, run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1 and "--from-hf" in run.stderr and "gpt2" in run.stderr
+    assert "cannot be reached" in run.stderr and not (tmp_path / "out").exists()

@@ -119,3 +119,24 @@ def test_fused_head_gives_the_plain_loss_and_gradients():
     assert lm_loss(h, w, torch.full_like(y, -100)).item() == 0.0
     nll = token_nll(h, w, y, slice_tokens=5)
     torch.testing.assert_close(nll, torch.nn.functional.cross_entropy((h @ w.t()).transpose(1, 2), y, reduction="none"))
+
+
+def test_decode_with_the_cache_gives_the_forward_logits():
+    torch.manual_seed(0)
+    model = GPT2(tiny()).eval()
+    tokens = torch.randint(0, 101, (2, 20))
+    with torch.no_grad():
+        full = model(tokens)
+        for steps in ([1] * 20, [7] + [1] * 13, [5, 6, 9]):   # one token at a time, a prompt, pieces
+            cache, start = model.new_cache(), 0
+            for size in steps:
+                got = model.decode(tokens[:, start:start + size], None, cache)
+                start += size
+                torch.testing.assert_close(got, full[:, start - 1], rtol=0, atol=1e-5)
+        # Rows dropped from the batch (a finished sample) leave the others' cache intact.
+        cache = model.new_cache()
+        model.decode(tokens[:, :10], None, cache)
+        cache.select(torch.tensor([1]))
+        torch.testing.assert_close(model.decode(tokens[1:, 10:11], None, cache), full[1:, 10], rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="n_positions"):
+        model.decode(torch.zeros(1, 65, dtype=torch.int64), None, model.new_cache())

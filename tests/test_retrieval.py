@@ -1,110 +1,30 @@
-"""Retrieval database: embeddings, FAISS index, leak-free neighbours, the reader, faults, Ray.
+"""Retrieval database: FAISS index, leak-free neighbours, the reader, resume, bad input, further corpora.
 
-Real components throughout (sentence-transformers, FAISS, Ray); the stores are handcrafted
-corpora with 8-token chunks, so embedding them takes a second or two.
+Real components throughout (sentence-transformers, FAISS); the stores are handcrafted corpora with
+8-token chunks (tests/corpora.py), so embedding them takes a second or two. The embedder itself is
+tested in test_embedder.py, Ray in test_retrieval_ray.py.
 """
 
 import json
-import os
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from data.chunking import split_of
-from data.config import DataConfig
 from data.neighbours import NeighbourStore
-from data.prepare import prepare
 from data.readers import DataError
-from data.store import ChunkStore
-from retrieval.config import RetrievalConfig
-from retrieval.embed import Embeddings, cached_embedder, embed, resolve_model_path, serial_embed_runner
 from data.stage import fingerprint, read_json, save_npy, write_json
+from data.store import ChunkStore
 from retrieval.build import build_retrieval
 from retrieval.config import RetrievalError
 from retrieval.database import DatabaseVectors
+from retrieval.embed import Embeddings, serial_embed_runner
 from retrieval.index import build_index, exact_search, load_index, make_index, sample_rows
 from retrieval.neighbours import excluded_hashes, select_neighbours
-
-ROOT = Path(__file__).resolve().parent.parent
-PY = sys.executable
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-
-TOPICS = ["apples and pears grow in the orchard", "the ship sails across stormy ocean waves",
-          "compilers parse source code into syntax trees", "violins and cellos play in the orchestra",
-          "glaciers carve valleys in the cold mountains", "bakers knead dough for fresh bread"]
-CHUNK_LEN, SEQ_CHUNKS = 8, 4  # 8-token chunks; training sequences of 4 chunks (seq_len 32)
-
-
-def doc_id(split: str, n: int, seed: int = 1234, fraction: float = 0.2) -> str:
-    """An id that the data stage puts in `split` (the split is a hash of the id)."""
-    i = 0
-    while split_of(f"{split}-{n}-{i}", seed, fraction) != split:
-        i += 1
-    return f"{split}-{n}-{i}"
-
-
-def make_store(root: Path, docs: list[tuple[str, str]], docs_per_shard: int = 4) -> ChunkStore:
-    """Prepare [(split, text)] into root/data with 8-token chunks; return the ChunkStore."""
-    corpus = root / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"id": doc_id(s, n), "text": t}) + "\n" for n, (s, t) in enumerate(docs)))
-    cfg = DataConfig(corpus=str(corpus), chunk_len=CHUNK_LEN, validation_fraction=0.2, docs_per_shard=docs_per_shard)
-    prepare(cfg, root / "data", progress=False)
-    return ChunkStore(root / "data")
-
-
-def topic_docs(n_train: int = 14, n_val: int = 3) -> list[tuple[str, str]]:
-    """Documents repeating one topic each, so the nearest chunks are often of the same document."""
-    docs = [("train", " ".join([TOPICS[i % len(TOPICS)]] * (1 + i % 3))) for i in range(n_train)]
-    docs[3:3] = [("validation", TOPICS[i % len(TOPICS)]) for i in range(n_val)]
-    return docs
-
-
-def retrieval_cfg(**kw) -> RetrievalConfig:
-    return RetrievalConfig(**{"embed_batch_size": 8, "recall_queries": 10, "train_sample": 0, **kw})
-
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    """A topic store and its retrieval database, built once in-process (the reference)."""
-    root = tmp_path_factory.mktemp("built")
-    store = make_store(root, topic_docs())
-    result = build_retrieval(retrieval_cfg(), store, root / "retrieval", chunks_per_seq=SEQ_CHUNKS)
-    return root, store, result
-
-
-def neighbours_of(root: Path) -> dict:
-    return {s: np.load(root / "retrieval" / "neighbours" / f"{s}.npy", allow_pickle=False)
-            for s in ("train", "validation")}
-
-
-# --- embedding ---------------------------------------------------------------------------
-
-def test_embed_matches_sentence_transformers_encode():
-    model = cached_embedder(str(resolve_model_path("")))
-    texts = ["a", "The ship sails across stormy ocean waves, far from home.", "", "naïve café — 12345",
-             "compilers " * 40, "bread"]
-    ours = embed(model, texts, sub_batch=4)
-    reference = model.encode(texts, batch_size=3, normalize_embeddings=True, convert_to_numpy=True)
-    assert ours.shape == (6, 384) and ours.dtype == np.float32
-    np.testing.assert_allclose(ours, reference, atol=2e-5)
-    np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)
-
-
-def test_embeddings_are_aligned_with_chunk_shards(built):
-    root, store, result = built
-    manifest = result["embeddings"]
-    assert manifest["dim"] == 384 and manifest["model"] == "sentence-transformers/all-MiniLM-L6-v2"
-    assert manifest["chunk_store_fingerprint"] == store.fingerprint
-    for split in ("train", "validation"):
-        names = [n.replace(".arrow", ".npy") for n in store.manifest["shards"][split]]
-        assert manifest["shards"][split] == names
-        for name, count in zip(names, store.manifest["shard_chunks"][split]):
-            arr = np.load(root / "retrieval" / "embeddings" / split / name, allow_pickle=False)
-            assert arr.shape == (count, 384) and arr.dtype == np.float16
+# Re-exported: other test modules import the corpus helpers from here too.
+from tests.corpora import (CHUNK_LEN, ROOT, SEQ_CHUNKS, TOPICS, make_store,  # noqa: F401
+                           neighbours_of, retrieval_cfg, topic_docs)
 
 
 # --- neighbour selection -----------------------------------------------------------------

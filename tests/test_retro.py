@@ -199,3 +199,50 @@ def test_retro_copies_its_neighbours_continuation():
     chance = math.log(V)
     assert result["on"] < 0.1 * chance, result
     assert min(result["off"], result["shuffled"], result["late"]) > 0.9 * chance, result
+
+
+def decoded_logits(net, tokens, neighbours, steps):
+    """(b, pieces, vocab): the logits decode returns (each piece's last position's), fed in pieces of these sizes."""
+    cache, out, start = net.new_cache(), [], 0
+    for size in steps:
+        end = start + size
+        chunks = -(-end // M)
+        out.append(net.decode(tokens[:, start:end], None if neighbours is None else neighbours[:, :chunks], cache))
+        start = end
+    return torch.stack(out, 1)
+
+
+@pytest.mark.parametrize("prefix", [1, M - 1, M, 2 * M + 1])
+def test_decode_with_the_cache_gives_the_forward_logits(prefix):
+    """A prompt fed at once, then one token at a time, and pieces spanning chunk boundaries: every
+    position's logits equal forward's, with neighbours (some missing) and without (RETRO[OFF])."""
+    net = model()
+    with torch.no_grad():
+        for block in net.blocks:           # the relative-position bias starts at zero: make it matter
+            if hasattr(block, "cca"):
+                block.cca.position_bias.normal_()
+    tokens, neighbours = inputs(l=6)
+    n = tokens.shape[1]
+    for nbrs in (neighbours, None):
+        with torch.no_grad():
+            full = net(tokens, nbrs)                                              # (b, n, vocab)
+            one_by_one = decoded_logits(net, tokens, nbrs, [prefix] + [1] * (n - prefix))
+            torch.testing.assert_close(one_by_one, full[:, prefix - 1:], rtol=0, atol=2e-5)
+            pieces = decoded_logits(net, tokens, nbrs, [prefix, 2 * M + 1, n - prefix - 2 * M - 2, 1])
+            torch.testing.assert_close(pieces, full[:, [prefix - 1, prefix + 2 * M, n - 2, n - 1]], rtol=0, atol=2e-5)
+    # The encoding of chunk u is made when its last token is fed: neighbours given later are not read.
+    cache = net.new_cache()
+    with torch.no_grad():
+        full = net(tokens, neighbours)
+        net.decode(tokens[:, :M], neighbours[:, :1], cache)
+        late = neighbours[:, :2].clone()
+        late[:, 0] = -1
+        torch.testing.assert_close(net.decode(tokens[:, M:M + 1], late, cache), full[:, M], rtol=0, atol=2e-5)
+
+
+def test_decode_past_n_positions_is_rejected():
+    net = model(tiny(n_positions=2 * M))
+    cache = net.new_cache()
+    net.decode(torch.zeros(1, 2 * M, dtype=torch.int64), None, cache)
+    with pytest.raises(ValueError, match="n_positions"):
+        net.decode(torch.zeros(1, 1, dtype=torch.int64), None, cache)

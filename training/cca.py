@@ -96,17 +96,55 @@ class ChunkedCrossAttention(nn.Module):
     def forward(self, h: torch.Tensor, encoded: torch.Tensor, neighbours: torch.Tensor) -> torch.Tensor:
         # h (b, n, d); encoded (b, l, k, r, e); neighbours (b, l, k, r) int64, -1 = missing.
         m = self.chunk_len
-        b, l, k, r = neighbours.shape
+        b = h.shape[0]
         x = F.pad(self.ln(h), (0, 0, -(m - 1), m - 1))  # (b, n, d): row p now holds position p+m-1
         q = rearrange(x, "b (l m) d -> (b l) m d", m=m)
-        context = rearrange(encoded, "b l k r e -> (b l) (k r) e")
-        valid = rearrange(neighbours >= 0, "b l k r -> (b l) 1 1 (k r)")  # broadcast over heads, queries
-        mask, any_valid = key_mask(valid)
-        q_pos = torch.arange(m - 1, 2 * m - 1, device=h.device)
-        k_pos = torch.arange(r, device=h.device).repeat(k)  # every neighbour starts at offset 0
-        offsets = k_pos[None, :] - q_pos[:, None] + 2 * m - 2   # (m, k r), indices into position_bias
-        bias = self.position_bias_scale * self.position_bias[:, offsets][None]   # (1, heads, m, k r)
-        y = self.attn(q, context, q_pos, k_pos, mask, bias)  # ((b l), m, d)
-        y = y * rearrange(any_valid, "B 1 1 1 -> B 1 1").to(y.dtype)  # no neighbour → exact zero
+        y = self.attend(q, rearrange(encoded, "b l k r e -> (b l) k r e"),
+                        rearrange(neighbours, "b l k r -> (b l) k r"), torch.arange(m, device=h.device))
         y = rearrange(y, "(b l) m d -> b (l m) d", b=b)
         return F.pad(y, (0, 0, m - 1, -(m - 1)))  # undo the shift; positions 0 … m-2 get zeros
+
+    def attend(self, q: torch.Tensor, encoded: torch.Tensor, neighbours: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """q (B, t, d): normalised queries at rows `rows` (t,) of their shifted chunks; encoded
+        (B, k, r, e) and neighbours (B, k, r) of those chunks → (B, t, d), an exact zero where a
+        chunk has no neighbour at all."""
+        m = self.chunk_len
+        B, k, r = neighbours.shape
+        context = rearrange(encoded, "B k r e -> B (k r) e")
+        valid = rearrange(neighbours >= 0, "B k r -> B 1 1 (k r)")  # broadcast over heads, queries
+        mask, any_valid = key_mask(valid)
+        q_pos = rows + (m - 1)
+        k_pos = torch.arange(r, device=q.device).repeat(k)  # every neighbour starts at offset 0
+        offsets = k_pos[None, :] - q_pos[:, None] + 2 * m - 2   # (t, k r), indices into position_bias
+        bias = self.position_bias_scale * self.position_bias[:, offsets][None]   # (1, heads, t, k r)
+        y = self.attn(q, context, q_pos, k_pos, mask, bias)  # (B, t, d)
+        return y * rearrange(any_valid, "B 1 1 1 -> B 1 1").to(y.dtype)  # no neighbour → exact zero
+
+    def decode(self, h: torch.Tensor, start: int, encoded: torch.Tensor | None, neighbours: torch.Tensor) -> torch.Tensor:
+        """forward's output at the new positions start … start + T - 1 only (h (b, T, d)).
+
+        encoded (b, l, k, r, e) and neighbours (b, l, k, r) hold the sequence's chunks from 0; a
+        new position p reads chunk (p + 1) // m - 1 only, which is complete by p (so the caller
+        need not have encoded any later one).
+        """
+        m = self.chunk_len
+        b, n, d = h.shape
+        first, last = max(start, m - 1), start + n - 1     # the new positions that have a chunk to read
+        out = h.new_zeros(b, n, d)
+        if last < first:
+            return out
+        s0, s1 = first - (m - 1), last - (m - 1)           # their rows in the shifted layout
+        u0, u1 = s0 // m, s1 // m
+        x = self.ln(h[:, first - start:])                  # (b, t, d)
+        if u0 == u1:  # one chunk (every step after the first): only the new rows are computed
+            rows = torch.arange(s0 % m, s1 % m + 1, device=h.device)
+            y = self.attend(x, encoded[:, u0], neighbours[:, u0], rows)
+        else:         # a prompt over several chunks: lay the rows out in whole chunks, as forward
+            chunks = h.new_zeros(b, (u1 - u0 + 1) * m, d)
+            chunks[:, s0 - u0 * m:s1 - u0 * m + 1] = x
+            y = self.attend(rearrange(chunks, "b (l m) d -> (b l) m d", m=m),
+                            rearrange(encoded[:, u0:u1 + 1], "b l k r e -> (b l) k r e"),
+                            rearrange(neighbours[:, u0:u1 + 1], "b l k r -> (b l) k r"), torch.arange(m, device=h.device))
+            y = rearrange(y, "(b l) m d -> b (l m) d", b=b)[:, s0 - u0 * m:s1 - u0 * m + 1]
+        out[:, first - start:] = y
+        return out

@@ -79,10 +79,11 @@ def report_rows(models: list[tuple[str, object]], eval_cfg, neighbours, doc_inde
 
 
 def evaluate_models(models: list[tuple[str, object]], chunks, byte_lengths: np.ndarray, eval_cfg, neighbours=None,
-                    curve: list[tuple[str, int, object]] | None = None, progress=None, device: str = "cpu") -> dict:
+                    curve: list[tuple[str, int, object]] | None = None, progress=None, device=None) -> dict:
     """Score every row on `chunks` (data.store.SplitChunks); the report as a JSON-able dict.
 
     curve: [(label, database tokens, neighbour source)] for the database-size curve (RETRO only).
+    device: where the batches go (None = each model's own device).
     """
     e = eval_cfg
     count = min(len(chunks), e.max_chunks or len(chunks))

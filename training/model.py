@@ -84,13 +84,71 @@ class PositionEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(cfg.n_positions, cfg.n_embd).normal_(mean=0.0, std=0.02))
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x):
+    def forward(self, x, start: int = 0):
+        # start: position of the first token (> 0 only when decoding with a cache).
         x, *rest = x if isinstance(x, tuple) else (x,)
         n = x.shape[1]
-        if n > self.n_positions:
-            raise ValueError(f"sequence of {n} tokens is longer than model.n_positions ({self.n_positions})")
-        h = self.drop(x + self.weight[:n])  # (b, n, d)
+        if start + n > self.n_positions:
+            raise ValueError(f"sequence of {start + n} tokens is longer than model.n_positions ({self.n_positions})")
+        h = self.drop(x + self.weight[start:start + n])  # (b, n, d)
         return (h, *rest) if rest else h
+
+
+class LayerCache:
+    """Keys and values one self-attention layer has computed so far: (b, heads, t, c) each.
+
+    Preallocated to `capacity` positions (model.n_positions), filled in place: appending a token
+    copies one position, not the whole past.
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity, self.length = capacity, 0
+        self.k = self.v = None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (b, heads, T, c) after the cached positions; return all of them (b, heads, t + T, c)."""
+        b, heads, n, c = k.shape
+        end = self.length + n
+        if end > self.capacity:
+            raise ValueError(f"key/value cache full: {end} positions, capacity {self.capacity} (model.n_positions)")
+        if self.k is None:
+            self.k = k.new_empty(b, heads, self.capacity, c)
+            self.v = v.new_empty(b, heads, self.capacity, c)
+        self.k[:, :, self.length:end], self.v[:, :, self.length:end] = k, v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class DecodeCache:
+    """Everything an incremental forward (`model.decode`) keeps between calls.
+
+    `layers[i]`: block i's keys and values. `length`: positions fed so far (the next token's
+    position). RETRO also keeps `states` (b, capacity, d), the decoder states after the first CCA
+    block's self-attention that the encoder reads, and for every complete chunk its neighbour ids
+    `neighbours` (b, chunks, k, r) and their encoding `encoded` (b, chunks, k, r, e)
+    (retro.RetroBlock.decode).
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        self.layers = [LayerCache(cfg.n_positions) for _ in range(cfg.n_layer)]
+        self.length = 0
+        self.states: torch.Tensor | None = None
+        self.neighbours: torch.Tensor | None = None
+        self.encoded: torch.Tensor | None = None
+
+    def reset(self) -> None:
+        """Forget every position (the buffers are kept for reuse)."""
+        self.length = 0
+        for layer in self.layers:
+            layer.length = 0
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only these batch rows (sequences that stopped are dropped from the batch)."""
+        for layer in self.layers:
+            if layer.k is not None:
+                layer.k, layer.v = layer.k[rows], layer.v[rows]
+        if self.states is not None:
+            self.states, self.neighbours, self.encoded = self.states[rows], self.neighbours[rows], self.encoded[rows]
 
 
 class CausalSelfAttention(nn.Module):
@@ -102,10 +160,18 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, n, d)
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:  # (b, n, d)
         q, k, v = rearrange(self.c_attn(x), "b n (three h c) -> three b h n c", three=3, h=self.n_head)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        if cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                               dropout_p=self.dropout if self.training else 0.0)
+        else:
+            # The n new queries follow `past` cached positions: query i sees keys 0 … past + i.
+            past = cache.length
+            k, v = cache.append(k, v)                                            # (b, h, past + n, c)
+            n = q.shape[2]
+            mask = None if n == 1 else torch.ones(n, past + n, dtype=torch.bool, device=x.device).tril(past)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.resid_drop(self.c_proj(rearrange(y, "b h n c -> b n (h c)")))
 
 
@@ -142,6 +208,11 @@ class Block(nn.Module):
         h = h + self.mlp(self.ln_2(h))
         return (h, *rest) if rest else h
 
+    def decode(self, h: torch.Tensor, layer: LayerCache) -> torch.Tensor:
+        """forward for new positions h (b, T, d), attending to the cached ones too."""
+        h = h + self.attn(self.ln_1(h), layer)
+        return h + self.mlp(self.ln_2(h))
+
 
 class GPT2(nn.Module):
     """The baseline: `forward(tokens (b, n) int64) -> logits (b, n, vocab)`.
@@ -169,6 +240,20 @@ class GPT2(nn.Module):
 
     def forward(self, tokens: torch.Tensor, neighbours: torch.Tensor | None = None) -> torch.Tensor:
         return lm_logits(self.wte, self.hidden(tokens, neighbours))  # (b, n, vocab)
+
+    def new_cache(self) -> DecodeCache:
+        return DecodeCache(self.cfg)
+
+    def decode(self, tokens: torch.Tensor, neighbours: None, cache: DecodeCache) -> torch.Tensor:
+        """Incremental forward for generation: tokens (b, T) at positions cache.length …, the earlier
+        ones read from the cache; returns the last position's logits (b, vocab), as forward's."""
+        if neighbours is not None:
+            raise ValueError("the GPT-2 baseline takes no neighbours (model.kind is 'gpt2')")
+        h = self.wpe(embed_tokens(self.wte, tokens), cache.length)              # (b, T, d)
+        for block, layer in zip(self.blocks, cache.layers):
+            h = block.decode(h, layer)
+        cache.length += tokens.shape[1]
+        return lm_logits(self.wte, self.ln_f(h[:, -1]))                         # (b, vocab)
 
     def num_parameters(self, trainable_only: bool = False) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from training.cca import ChunkedCrossAttention
 from training.config import ModelConfig
 from training.encoder import RetrievalEncoder
-from training.model import GPT2, Block, PositionEmbedding, TokenEmbedding, init_weights, lm_logits
+from training.model import (GPT2, Block, DecodeCache, LayerCache, PositionEmbedding, TokenEmbedding, init_weights,
+                            lm_logits)
 
 # Trunk fields a RETRO-fit must share with its GPT-2 checkpoint.
 TRUNK_FIELDS = ("vocab_size", "n_positions", "n_layer", "n_head", "n_embd")
@@ -115,7 +116,7 @@ class RetroBlock(Block):
 
     def __init__(self, cfg: ModelConfig, first: bool, last: bool):
         super().__init__(cfg)
-        self.first, self.last = first, last
+        self.first, self.last, self.chunk_len = first, last, cfg.chunk_len
         self.cca = ChunkedCrossAttention(cfg)
         init_weights(self.cca, cfg.n_layer)
         if first:
@@ -130,6 +131,30 @@ class RetroBlock(Block):
         h = h + self.cca(h, encoded, neighbours)
         h = h + self.mlp(self.ln_2(h))
         return h if self.last else (h, neighbours, encoded)
+
+    def decode(self, h: torch.Tensor, layer: LayerCache, start: int, neighbours: torch.Tensor, cache: DecodeCache,
+               wte: TokenEmbedding) -> torch.Tensor:
+        """forward for the new positions start … start + T - 1, h (b, T, d); neighbours (b, l, k, r)
+        of the chunks so far. The first CCA block encodes every chunk that the new positions
+        complete, once, into cache.encoded (its ids into cache.neighbours, for the CCA's mask): the
+        encoder reads a chunk's decoder states from this block, and no position before the chunk's
+        last token reads its neighbours (the causal shift)."""
+        h = h + self.attn(self.ln_1(h), layer)
+        if self.first:
+            m, (b, n, d) = self.chunk_len, h.shape
+            if cache.states is None:
+                chunks = -(-layer.capacity // m)
+                cache.states = h.new_empty(b, layer.capacity, d)
+                cache.neighbours = neighbours.new_empty(b, chunks, *neighbours.shape[2:])
+                cache.encoded = h.new_empty(b, chunks, *neighbours.shape[2:], self.encoder.proj_in.out_features)
+            cache.states[:, start:start + n] = h
+            u0, u1 = start // m, (start + n) // m          # chunks u0 … u1 - 1 end at a new position
+            if u1 > u0:
+                ids = cache.neighbours[:, u0:u1] = neighbours[:, u0:u1]               # (b, l', k, r)
+                z = F.embedding(ids.clamp(min=0), wte.weight)                          # as embed_neighbours
+                cache.encoded[:, u0:u1] = self.encoder(z, ids, cache.states[:, u0 * m:u1 * m])
+        h = h + self.cca.decode(h, start, cache.encoded, cache.neighbours)
+        return h + self.mlp(self.ln_2(h))
 
 
 def is_retrieval_parameter(name: str) -> bool:
@@ -176,6 +201,35 @@ class Retro(nn.Module):
 
     def forward(self, tokens: torch.Tensor, neighbours: torch.Tensor | None = None) -> torch.Tensor:
         return lm_logits(self.wte, self.hidden(tokens, neighbours))  # (b, n, vocab)
+
+    def new_cache(self) -> DecodeCache:
+        return DecodeCache(self.cfg)
+
+    def decode(self, tokens: torch.Tensor, neighbours: torch.Tensor | None, cache: DecodeCache) -> torch.Tensor:
+        """Incremental forward for generation: tokens (b, T) at positions cache.length …, the earlier
+        ones read from the cache; neighbours (b, l, k, r) of the chunks 0 … l - 1 begun so far
+        (None = RETRO[OFF]); returns the last position's logits (b, vocab), as forward's.
+
+        A chunk's neighbours are read once, when its last token is fed, and kept encoded in the
+        cache: they must be final by then (training/sampling.py retrieves a chunk just as it
+        completes); what later calls pass for that chunk is not read.
+        """
+        m, start = self.cfg.chunk_len, cache.length
+        b, n = tokens.shape
+        chunks = -(-(start + n) // m)
+        if neighbours is None:
+            neighbours = torch.full((b, chunks, 1, 2 * m), -1, dtype=torch.int64, device=tokens.device)
+        if neighbours.dim() != 4 or tuple(neighbours.shape[:2]) != (b, chunks):
+            raise ValueError(f"neighbours must be (b, l, k, r) = ({b}, {chunks}, k, r) for {start + n} tokens, "
+                             f"got {tuple(neighbours.shape)}")
+        h = self.wpe(F.embedding(tokens, self.wte.weight), start)                # (b, T, d)
+        for block, layer in zip(self.blocks, cache.layers):
+            if isinstance(block, RetroBlock):
+                h = block.decode(h, layer, start, neighbours, cache, self.wte)
+            else:
+                h = block.decode(h, layer)
+        cache.length += n
+        return lm_logits(self.wte, self.ln_f(h[:, -1]))                         # (b, vocab)
 
     def num_parameters(self, trainable_only: bool = False) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)

@@ -3,6 +3,7 @@
     out = generate(model, prompt_tokens, max_new_tokens=64, temperature=0.8, top_k=50, top_p=0.95,
                    seed=0, eot_id=50256, retrieve=fn)   # fn(chunk_tokens, chunk_index) -> (k, r) ids
     out.tokens, out.new_tokens, out.stop ("eot" | "max_tokens"), out.retrievals
+    outs = generate_samples(model, prompt_tokens, 64, num_samples=4, seed=0, ...)  # one batch; outs[j] is seed + j
 
 Retrieval (RETRO paper §2.4; lucidrains' RETRO-pytorch `generate`): the neighbours of chunk u
 are found with chunk u's own text and, through the causal shift of the chunked cross-attention,
@@ -16,9 +17,17 @@ chunk begun during generation has no neighbours (all -1) until it is complete; c
 could not matter yet.
 
 `training` never imports `retrieval`: the embedder and the index come in as the `retrieve`
-callback, wired by launch/generate.py (retrieval/query.py). No key/value cache: every step
-runs the model over the whole context (at most model.n_positions tokens), which keeps the
-RETRO chunk bookkeeping simple and costs little at the sizes this project samples from.
+callback, wired by launch/generate.py (retrieval/query.py).
+
+Key/value cache (`cache=True`, the default): the prompt is fed once, then one token per step
+(`model.decode`, training/model.py and retro.py): self-attention reads the earlier positions'
+keys and values, and RETRO encodes a chunk's neighbours once, when its last token is fed. The
+tokens are the same as without the cache (`cache=False`: every step reruns the model over the
+whole context and reads its last position; tested, greedy and seeded). The context is at most model.n_positions tokens;
+when the sequence outgrows it the window slides (`context_window`) and, since positions are
+absolute, the cache is refilled from the new window: for RETRO once per chunk (its window moves
+a whole chunk at a time), for GPT-2 at every step (its window moves one token at a time, so
+past n_positions the cache gives no speed-up, and no different token).
 """
 
 from __future__ import annotations
@@ -29,6 +38,8 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 import torch.nn as nn
+
+from training.model import lm_logits
 
 # retrieve(tokens of chunk u so far, u) -> (k, r) int64 neighbour + continuation ids, -1 = missing
 Retrieve = Callable[[list[int], int], "np.ndarray | torch.Tensor"]
@@ -101,61 +112,108 @@ def context_window(n: int, n_positions: int, chunk_len: int | None) -> tuple[int
 
 def generate(model: nn.Module, prompt: Sequence[int], max_new_tokens: int, *, temperature: float = 1.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, eot_id: int | None = None,
-             retrieve: Retrieve | None = None) -> Generation:
+             retrieve: Retrieve | None = None, cache: bool = True) -> Generation:
     """Sample up to max_new_tokens after prompt (a batch of one); stop early at eot_id.
 
-    Deterministic for a seed: the sampling generator is a CPU torch.Generator seeded with
-    `seed`, and sampling runs on CPU whatever the model's device. For RETRO, `retrieve` is
-    called as the module docstring says; None = RETRO[OFF] (no neighbours). GPT-2 takes none.
+    Deterministic for a seed (and device): the sampling generator lives on the model's device,
+    seeded with `seed`. For RETRO, `retrieve` is called as the module docstring says; None =
+    RETRO[OFF] (no neighbours). GPT-2 takes none. cache: decode with the key/value cache.
+    """
+    return generate_samples(model, prompt, max_new_tokens, 1, temperature=temperature, top_k=top_k, top_p=top_p,
+                            seed=seed, eot_id=eot_id, retrieve=retrieve, cache=cache)[0]
+
+
+def generate_samples(model: nn.Module, prompt: Sequence[int], max_new_tokens: int, num_samples: int, *,
+                     temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                     eot_id: int | None = None, retrieve: Retrieve | None = None, cache: bool = True) -> list[Generation]:
+    """num_samples independent continuations of one prompt, computed as one batch.
+
+    Sample j draws from its own generator seeded with seed + j, so it is the continuation that
+    generate(..., seed=seed + j) gives (rows of a batch never mix; tested). The samples stay in
+    lockstep (same length, same chunk boundaries, each retrieving with its own text); one that
+    reaches end-of-text leaves the batch.
     """
     cfg = model.cfg
     retro = cfg.kind == "retro"
     check_sampling(temperature, top_k, top_p)
     if not prompt:
         raise ValueError("the prompt must hold at least one token (start from end-of-text for none)")
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
     if retrieve is not None and not retro:
         raise ValueError("a retrieve function was given, but the model is GPT-2 (model.kind 'gpt2')")
     m = cfg.chunk_len
     if retro and cfg.n_positions < m:
         raise ValueError(f"model.n_positions ({cfg.n_positions}) is shorter than one chunk ({m} tokens)")
     device = next(model.parameters()).device
-    generator = torch.Generator().manual_seed(seed)
-    tokens = [int(t) for t in prompt]
-    fetched: dict[int, tuple[int, torch.Tensor]] = {}                        # chunk → (query length, (k, r))
-    out = Generation(tokens=tokens, new_tokens=[], stop="max_tokens")
+    generators = [torch.Generator(device=device).manual_seed(seed + j) for j in range(num_samples)]
+    outs = [Generation(tokens=[int(t) for t in prompt], new_tokens=[], stop="max_tokens") for _ in range(num_samples)]
+    fetched: list[dict[int, tuple[int, torch.Tensor]]] = [{} for _ in outs]   # chunk → (query length, (k, r))
+    active = list(range(num_samples))                                         # samples still running, batch order
+    kv, kv_start = (model.new_cache() if cache else None), 0
     was_training = model.training
     model.eval()
     try:
         with torch.inference_mode():
             for step in range(max_new_tokens):
-                n = len(tokens)
+                n = len(outs[active[0]].tokens)                                   # the same for every sample
                 start, length = context_window(n, cfg.n_positions, m if retro else None)
-                x = torch.full((1, length), eot_id or 0, dtype=torch.int64)      # padding: any id will do
-                x[0, :n - start] = torch.tensor(tokens[start:], dtype=torch.int64)
+                nbrs = None
                 if retro and retrieve is not None:
-                    for u in range(start // m, (start + length) // m):
-                        have = fetched.get(u, (0, None))[0]
-                        query_len = min(m, n - u * m)
-                        if (query_len == m and have != m) or (step == 0 and u not in fetched):
-                            fetched[u] = (query_len, _retrieve(retrieve, tokens, u, m, query_len, out))
-                    nbrs = _window_neighbours(fetched, start // m, length // m, out)  # (1, l, k, r)
-                    logits = model(x.to(device), nbrs.to(device))
+                    for j in active:
+                        _update_neighbours(retrieve, outs[j], fetched[j], start, length, m, step == 0, device)
+                    nbrs = torch.cat([_window_neighbours(fetched[j], start // m, length // m, outs[j], device)
+                                      for j in active])                           # (b, l, k, r)
+                if kv is not None:
+                    if start != kv_start:  # the window slid: positions changed, refill from its start
+                        kv.reset()
+                        kv_start = start
+                    fed = kv_start + kv.length
+                    x = torch.tensor([outs[j].tokens[fed:n] for j in active], dtype=torch.int64, device=device)
+                    logits = model.decode(x, nbrs, kv)                            # (b, vocab)
                 else:
-                    logits = model(x.to(device))
-                nxt = int(sample_next(logits[:, n - start - 1].cpu(), temperature, top_k, top_p, generator))
-                tokens.append(nxt)
-                out.new_tokens.append(nxt)
-                if nxt == eot_id:
-                    out.stop = "eot"
-                    break
+                    x = torch.full((len(active), length), eot_id or 0, dtype=torch.int64, device=device)  # padding: any id
+                    x[:, :n - start] = torch.tensor([outs[j].tokens[start:] for j in active], device=device)
+                    h = model.hidden(x, nbrs)[:, n - start - 1]                 # (b, d): the one position read
+                    logits = lm_logits(model.wte, h)                             # (b, vocab)
+                if temperature == 0:
+                    nxt = logits.float().argmax(-1)
+                else:
+                    nxt = torch.cat([sample_next(logits[i:i + 1], temperature, top_k, top_p, generators[j])
+                                     for i, j in enumerate(active)])
+                keep = []
+                for i, (j, t) in enumerate(zip(active, nxt.tolist())):            # one sync per step
+                    outs[j].tokens.append(t)
+                    outs[j].new_tokens.append(t)
+                    if t == eot_id:
+                        outs[j].stop = "eot"
+                    else:
+                        keep.append(i)
+                if len(keep) < len(active):
+                    active = [active[i] for i in keep]
+                    if not active:
+                        break
+                    if kv is not None:
+                        kv.select(torch.tensor(keep, device=device))
     finally:
         model.train(was_training)
-    return out
+    return outs
+
+
+def _update_neighbours(retrieve: Retrieve, out: Generation, fetched: dict, start: int, length: int, m: int,
+                       first_step: bool, device) -> None:
+    """Retrieve every chunk of the window that has just completed (or, at the first step, begun)."""
+    n = len(out.tokens)
+    for u in range(start // m, (start + length) // m):
+        have = fetched.get(u, (0, None))[0]
+        query_len = min(m, n - u * m)
+        if (query_len == m and have != m) or (first_step and u not in fetched):
+            fetched[u] = (query_len, _retrieve(retrieve, out.tokens, u, m, query_len, out).to(device))
 
 
 def _retrieve(retrieve: Retrieve, tokens: list[int], u: int, m: int, query_len: int, out: Generation) -> torch.Tensor:
     """Call retrieve for chunk u, check its (k, r) answer, record the event."""
-    got = torch.as_tensor(np.asarray(retrieve(tokens[u * m:u * m + query_len], u)), dtype=torch.int64)
+    got = torch.as_tensor(np.asarray(retrieve(tokens[u * m:u * m + query_len], u)), dtype=torch.int64, device="cpu")
     if got.dim() != 2 or got.shape[1] != 2 * m or got.shape[0] < 1:
         raise ValueError(f"retrieve returned shape {tuple(got.shape)} for chunk {u}; expected (k, {2 * m}) "
                          f"(k neighbours of chunk + continuation)")
@@ -167,9 +225,9 @@ def _retrieve(retrieve: Retrieve, tokens: list[int], u: int, m: int, query_len: 
 
 
 def _window_neighbours(fetched: dict[int, tuple[int, torch.Tensor]], first: int, chunks: int,
-                       out: Generation) -> torch.Tensor:
+                       out: Generation, device) -> torch.Tensor:
     """(1, chunks, k, r) neighbours of chunks first … first + chunks - 1; -1 where none were fetched."""
     k, r = out.retrievals[0].neighbours.shape
-    missing = torch.full((k, r), -1, dtype=torch.int64)
+    missing = torch.full((k, r), -1, dtype=torch.int64, device=device)
     rows = [fetched[u][1] if u in fetched else missing for u in range(first, first + chunks)]
     return torch.stack(rows)[None]

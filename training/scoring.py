@@ -51,15 +51,17 @@ def token_byte_lengths(encoding) -> np.ndarray:
 
 @torch.no_grad()
 def score_split(model, chunks, byte_lengths: np.ndarray, window: int, stride: int, neighbours=None,
-                k: int = 0, batch_size: int = 4, device: str = "cpu", progress=None,
+                k: int = 0, batch_size: int = 4, device=None, progress=None,
                 max_chunks: int = 0) -> ChunkScores:
     """Sliding-window scores of every chunk of a split (`chunks`: data.store.SplitChunks).
 
     `neighbours`: for RETRO, anything with neighbour_tokens(split, ids (b, l), k) -> (b, l, k, r)
     int64, -1 = missing (a data.neighbours.NeighbourStore); None = the baseline, or RETRO[OFF]
-    when the model is RETRO. `k` neighbours per chunk (0 = all stored).
+    when the model is RETRO. `k` neighbours per chunk (0 = all stored). Inputs go to `device`
+    (None = the model's); each batch's per-token NLL comes back to the CPU once, for numpy.
     """
     m = chunks.chunk_len
+    device = device or next(model.parameters()).device
     if window % m or stride % m or stride > window:
         raise ValueError(f"window ({window}) and stride ({stride}) must be multiples of chunk_len ({m}), "
                          f"stride <= window")

@@ -1,0 +1,136 @@
+"""Profile one training step (forward + backward + AdamW) with the torch profiler: where the time goes.
+
+    python bench/profile_step.py [--shapes tiny,12x384] [--kinds gpt2,retro] [--precision fp32|bf16|auto]
+    # an AVX2-only CPU's kernels on an AVX-512 machine (same ISA paths, not the same chip):
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python bench/profile_step.py --precision fp32
+
+The model is the layer list the pipeline runs (training/layers.py), with the fused LM head as
+training uses it, one process on all cores. Prints, per shape and kind, the step time and the
+top operators by self CPU time with their share of the step, then the same grouped into
+attention / LM head + loss / matmuls elsewhere / layer norm / optimizer / the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
+
+from training.config import ModelConfig  # noqa: E402
+from training.hardware import describe, resolve_precision  # noqa: E402
+from training.layers import build_sequential  # noqa: E402
+from training.model import fused_loss_fn  # noqa: E402
+
+# Shapes: "tiny" is the demo's model (configs/tiny.yaml), 12x384 the balanced pipeline benchmark's.
+SHAPES = {"tiny": dict(n_layer=4, n_head=4, n_embd=128, n_positions=256, encoder_layers=2, encoder_embd=64,
+                       encoder_head=2),
+          "12x384": dict(n_layer=12, n_head=6, n_embd=384, n_positions=256, encoder_layers=2, encoder_embd=192,
+                         encoder_head=3)}
+
+# Operator name fragments → the part of the model they are, for the grouped table (first match wins).
+GROUPS = [("LM head + loss", ("_FusedLMLoss", "log_softmax", "logsumexp", "nll_loss", "cross_entropy")),
+          ("attention", ("scaled_dot_product", "_flash_attention", "softmax")),
+          ("matmul (other)", ("addmm", "mm", "bmm", "matmul", "linear")),
+          ("layer norm", ("layer_norm",)),
+          ("optimizer", ("Optimizer.step", "_foreach", "adam", "sqrt", "lerp")),
+          ("elementwise / copies", ("add", "mul", "gelu", "copy_", "cat", "clone", "to", "fill", "zero_"))]
+
+
+def group_of(name: str) -> str:
+    low = name.lower()
+    for group, keys in GROUPS:
+        if any(k.lower() in low for k in keys):
+            return group
+    return "other"
+
+
+def batch_for(cfg: ModelConfig, batch: int, seq_len: int, k: int, g: torch.Generator):
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), generator=g)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    if cfg.kind == "gpt2":
+        return (x,), y
+    l = seq_len // cfg.chunk_len
+    neighbours = torch.randint(0, cfg.vocab_size, (batch, l, k, 2 * cfg.chunk_len), generator=g)  # (b, l, k, r)
+    return (x, neighbours), y
+
+
+PHASES = ("forward", "backward", "optimizer")
+
+
+def step(model, opt, inputs, labels, dtype) -> None:
+    with record_function("forward"), torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+        loss = fused_loss_fn(model(*inputs), labels)
+    with record_function("backward"):
+        loss.backward()
+    with record_function("optimizer"):
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def profile_one(shape: str, kind: str, precision: str, batch: int, seq_len: int, top: int, fused_adam: bool) -> None:
+    cfg = ModelConfig(kind=kind, chunk_len=64, **SHAPES[shape])
+    torch.manual_seed(0)
+    model = build_sequential(cfg, fused_head=True).train()
+    # DeepSpeed's ZeRO-1 updates one flat fp32 buffer per group, so its torch AdamW makes a few
+    # passes over one big tensor: foreach (multi-tensor) is the closest single-process stand-in.
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused_adam or None, foreach=None if fused_adam else True)
+    inputs, labels = batch_for(cfg, batch, seq_len, 2, torch.Generator().manual_seed(0))
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    for _ in range(2):  # warm-up: allocator, oneDNN primitive caches
+        step(model, opt, inputs, labels, dtype)
+    t0 = time.perf_counter()
+    step(model, opt, inputs, labels, dtype)
+    plain = time.perf_counter() - t0
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step(model, opt, inputs, labels, dtype)
+    averages = prof.key_averages()
+    phases = {e.key: e.cpu_time_total for e in averages if e.key in PHASES}
+    events = [e for e in averages if e.self_cpu_time_total > 0 and e.key not in PHASES]
+    total = sum(e.self_cpu_time_total for e in events)
+    events.sort(key=lambda e: -e.self_cpu_time_total)
+    print(f"\n## {shape} {kind}, {precision}{', fused AdamW' if fused_adam else ''}, batch {batch} × {seq_len} tokens: step {plain * 1e3:.0f} ms "
+          f"unprofiled ({batch * seq_len / plain:,.0f} tokens/s); profiled self CPU {total / 1e3:.0f} ms")
+    wall = sum(phases.values())
+    print("phases: " + ", ".join(f"{p} {phases.get(p, 0) / 1e3:.0f} ms ({phases.get(p, 0) / wall:.0%})" for p in PHASES))
+    print(f"{'operator':<48} {'self ms':>9} {'share':>7} {'calls':>6}")
+    for e in events[:top]:
+        print(f"{e.key[:48]:<48} {e.self_cpu_time_total / 1e3:>9.1f} {e.self_cpu_time_total / total:>7.1%} {e.count:>6}")
+    groups: dict[str, float] = {}
+    for e in events:
+        groups[group_of(e.key)] = groups.get(group_of(e.key), 0.0) + e.self_cpu_time_total
+    print("grouped: " + ", ".join(f"{g} {t / total:.0%}" for g, t in sorted(groups.items(), key=lambda kv: -kv[1])))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="tiny,12x384", help=f"subset of {','.join(SHAPES)}")
+    parser.add_argument("--kinds", default="gpt2,retro")
+    parser.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"])
+    parser.add_argument("--batch", type=int, default=4, help="sequences per step (the demo's micro-batch)")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--top", type=int, default=12, help="operators listed per profile")
+    parser.add_argument("--fused-adam", action="store_true", help="torch's fused AdamW (one kernel per step)")
+    args = parser.parse_args(argv)
+    precision = resolve_precision(args.precision)
+    print(describe())
+    print(f"ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', '(default)')} "
+          f"ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', '(default)')}; "
+          f"{torch.get_num_threads()} threads; torch CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    for shape in args.shapes.split(","):
+        for kind in args.kinds.split(","):
+            profile_one(shape, kind, precision, args.batch, args.seq_len, args.top, args.fused_adam)
+    return 0
+
+
+if __name__ == "__main__":
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(os.cpu_count() or 1)
+    sys.exit(main())

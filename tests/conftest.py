@@ -1,0 +1,29 @@
+"""What every test shares: an offline, quiet environment, set before any test module imports a library.
+
+The test suite never downloads: Hugging Face libraries are put in offline mode here (not by the
+Makefile, so that `make demo` and the CLIs can reach the hub when a user names a hub model),
+Ray does not report usage, and tokenizers do not fork thread pools under Ray and DeepSpeed.
+Subprocesses started by tests inherit this environment.
+"""
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+
+import pytest  # noqa: E402 (after the environment, on purpose)
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory):
+    """A topic store and its retrieval database, built once in-process: the reference that the
+    retrieval tests (in-process and on Ray) compare against. Read it; copy it to change it."""
+    from retrieval.build import build_retrieval
+    from tests.corpora import SEQ_CHUNKS, make_store, retrieval_cfg, topic_docs
+
+    root = tmp_path_factory.mktemp("built")
+    store = make_store(root, topic_docs())
+    result = build_retrieval(retrieval_cfg(), store, root / "retrieval", chunks_per_seq=SEQ_CHUNKS)
+    return root, store, result
