@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -98,13 +99,13 @@ def test_two_stages_equal_one_stage(workdir, reference_run):
 
 @pytest.mark.slow
 def test_kill_and_resume_reproduces_the_loss_curve(workdir, reference_run):
-    from training.engine import FAULT_EXIT_AFTER_STEP
+    from data.stage import KILL_AFTER_ENV
 
     args = ["--config", "configs/tiny-gpt2.yaml", *sets(f"workdir={workdir}", "train.name=killed")]
     run_dir = workdir / "runs" / "killed"
-    # Every rank dies hard right after step 5, past the step-3 checkpoint (train.checkpoint_every=3).
-    code, log = train(2, args, workdir / "logs-killed", env={FAULT_EXIT_AFTER_STEP: "5"})
-    assert code == 1, log[-3000:]
+    # Every rank SIGKILLs itself right after step 5, past the step-3 checkpoint (checkpoint_every=3).
+    code, log = train(2, args, workdir / "logs-killed", env={KILL_AFTER_ENV: "train:5"})
+    assert code == -signal.SIGKILL, log[-3000:]
     assert not (run_dir / "summary.json").exists()
     assert logged_steps(run_dir) == [1, 2, 3, 4, 5]
     assert json.loads((run_dir / "checkpoints" / "latest.json").read_text())["step"] == 3

@@ -10,7 +10,6 @@ of every rank, `state.json`, `latest.json`: training/run_dir.py describes the ru
 from __future__ import annotations
 
 import math
-import os
 import time
 from pathlib import Path
 
@@ -18,17 +17,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from data.stage import fault_point
 from training.data import SequenceBatches, micro_batches
 from training.flops import flops_per_token, mfu
 from training.hardware import matmul_flops_per_s
 from training.metrics_log import MetricsLog
 from training.rng import rng_state, set_rng_state
 from training.run_dir import TrainingError, checkpoint_tag, declare_checkpoint
-
-# Deterministic fault injection (tests): every rank exits hard, as if killed (no cleanup, no
-# summary), right after step N has finished and, if N is a checkpoint step, been checkpointed.
-FAULT_EXIT_AFTER_STEP = "RETROPIPE_FAULT_EXIT_AFTER_STEP"
-
 
 def check_tied_weights(pipe, when: str) -> None:
     """Fail loudly when the stages' copies of the tied embedding differ (every rank raises)."""
@@ -100,7 +95,6 @@ class Trainer:
     # -- the loop --
     def fit(self) -> dict:
         start = self.resume()
-        fault_step = int(os.environ.get(FAULT_EXIT_AFTER_STEP) or 0)
         metrics = bar = None
         if self.rank == 0:
             from tqdm import tqdm
@@ -140,8 +134,9 @@ class Trainer:
                 bar.update(1)
             if step % self.t.checkpoint_every == 0 or step == self.t.steps:
                 self.save(step)
-            if step == fault_step:
-                os._exit(1)
+            # Tests of resumption: RETROPIPE_KILL_AFTER=train:N kills every rank right here, after
+            # step N has finished and, if N is a checkpoint step, been checkpointed.
+            fault_point("train", step)
         if self.rank == 0:
             bar.close()
             metrics.close()
