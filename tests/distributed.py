@@ -63,10 +63,19 @@ def wait(procs: list[subprocess.Popen], timeout: float = 300) -> int:
         kill(procs)
 
 
+# free_port() returns a port that was free a moment ago; on a shared machine another process can
+# take it before rank 0 listens on it. Rank 0 then fails at once, before any work: start again.
+PORT_TAKEN = "EADDRINUSE"
+
+
 def train(nproc: int, args: list[str], log_dir: Path, timeout: float = 300, env: dict | None = None) -> tuple[int, str]:
     """Exit code and the ranks' logs of launch/train.py on nproc processes; env adds variables."""
-    code = wait(spawn(nproc, args, log_dir, env), timeout)
-    return code, "\n".join((log_dir / f"rank{r}.log").read_text() for r in range(nproc))
+    for _ in range(3):
+        code = wait(spawn(nproc, args, log_dir, env), timeout)
+        log = "\n".join((log_dir / f"rank{r}.log").read_text() for r in range(nproc))
+        if code == 0 or PORT_TAKEN not in log:
+            break
+    return code, log
 
 
 def read_tensorboard(log_dir):

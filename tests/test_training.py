@@ -14,7 +14,7 @@ from data.config import ConfigError
 from data.prepare import prepare
 from data.readers import DataError
 from launch.config import load_config
-from tests.distributed import ROOT, read_tensorboard, train
+from tests.distributed import PORT_TAKEN, ROOT, free_port, read_tensorboard, train
 
 # A model small enough that a step takes a fraction of a second on one core.
 TINY = ["data.chunk_len=16", "data.max_documents=300", "data.validation_fraction=0.1", "train.seq_len=64",
@@ -50,10 +50,16 @@ def workdir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference_run(workdir):
     """GPT-2, 2 pipeline stages on 2 processes, through the real `deepspeed` launcher."""
-    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "launch/train.py",
-           "--config", "configs/tiny-gpt2.yaml", *sets(f"workdir={workdir}", "train.name=ref")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=400)
+    for _ in range(3):
+        # A port of its own: the launcher's default (29500) may be taken by another run on the
+        # machine (and a free port taken before rank 0 listens: then start again).
+        cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+               "launch/train.py", "--config", "configs/tiny-gpt2.yaml",
+               *sets(f"workdir={workdir}", "train.name=ref")]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=400)
+        if proc.returncode == 0 or PORT_TAKEN not in proc.stdout + proc.stderr:
+            break
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return workdir / "runs" / "ref", proc.stdout + proc.stderr
 
