@@ -6,8 +6,8 @@
 
 The model is the layer list the pipeline runs (training/layers.py), with the fused LM head as
 training uses it, one process on all cores. Prints, per shape and kind, the step time and the
-top operators by self CPU time with their share of the step, then the same grouped into
-attention / LM head + loss / matmuls elsewhere / layer norm / optimizer / the rest.
+time of each phase (trunk forward, fused head + loss, backward, optimizer) and the top operators
+by self CPU time with their share of the step.
 """
 
 from __future__ import annotations
@@ -35,23 +35,6 @@ SHAPES = {"tiny": dict(n_layer=4, n_head=4, n_embd=128, n_positions=256, encoder
           "12x384": dict(n_layer=12, n_head=6, n_embd=384, n_positions=256, encoder_layers=2, encoder_embd=192,
                          encoder_head=3)}
 
-# Operator name fragments → the part of the model they are, for the grouped table (first match wins).
-GROUPS = [("LM head + loss", ("_FusedLMLoss", "log_softmax", "logsumexp", "nll_loss", "cross_entropy")),
-          ("attention", ("scaled_dot_product", "_flash_attention", "softmax")),
-          ("matmul (other)", ("addmm", "mm", "bmm", "matmul", "linear")),
-          ("layer norm", ("layer_norm",)),
-          ("optimizer", ("Optimizer.step", "_foreach", "adam", "sqrt", "lerp")),
-          ("elementwise / copies", ("add", "mul", "gelu", "copy_", "cat", "clone", "to", "fill", "zero_"))]
-
-
-def group_of(name: str) -> str:
-    low = name.lower()
-    for group, keys in GROUPS:
-        if any(k.lower() in low for k in keys):
-            return group
-    return "other"
-
-
 def batch_for(cfg: ModelConfig, batch: int, seq_len: int, k: int, g: torch.Generator):
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), generator=g)
     x, y = tokens[:, :-1], tokens[:, 1:]
@@ -62,12 +45,17 @@ def batch_for(cfg: ModelConfig, batch: int, seq_len: int, k: int, g: torch.Gener
     return (x, neighbours), y
 
 
-PHASES = ("forward", "backward", "optimizer")
+# The fused head computes its gradients in its forward (training/lm_head.py), so "head + loss"
+# is the whole head, forward and backward; "backward" is the trunk's (and the encoder's).
+PHASES = ("trunk forward", "head + loss", "backward", "optimizer")
 
 
 def step(model, opt, inputs, labels, dtype) -> None:
-    with record_function("forward"), torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
-        loss = fused_loss_fn(model(*inputs), labels)
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+        with record_function("trunk forward"):
+            outputs = model(*inputs)
+        with record_function("head + loss"):
+            loss = fused_loss_fn(outputs, labels)
     with record_function("backward"):
         loss.backward()
     with record_function("optimizer"):
@@ -75,13 +63,14 @@ def step(model, opt, inputs, labels, dtype) -> None:
         opt.zero_grad(set_to_none=True)
 
 
-def profile_one(shape: str, kind: str, precision: str, batch: int, seq_len: int, top: int, fused_adam: bool) -> None:
+def profile_one(shape: str, kind: str, precision: str, batch: int, seq_len: int, top: int) -> None:
     cfg = ModelConfig(kind=kind, chunk_len=64, **SHAPES[shape])
     torch.manual_seed(0)
     model = build_sequential(cfg, fused_head=True).train()
-    # DeepSpeed's ZeRO-1 updates one flat fp32 buffer per group, so its torch AdamW makes a few
-    # passes over one big tensor: foreach (multi-tensor) is the closest single-process stand-in.
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused_adam or None, foreach=None if fused_adam else True)
+    # DeepSpeed's ZeRO-1 updates one flat fp32 buffer per parameter group, a few passes over one
+    # big tensor; torch's per-tensor AdamW on CPU (foreach falls back to a loop there) would be
+    # 25% of a tiny step that training never pays. The fused kernel is the closest stand-in.
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     inputs, labels = batch_for(cfg, batch, seq_len, 2, torch.Generator().manual_seed(0))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
     for _ in range(2):  # warm-up: allocator, oneDNN primitive caches
@@ -96,17 +85,14 @@ def profile_one(shape: str, kind: str, precision: str, batch: int, seq_len: int,
     events = [e for e in averages if e.self_cpu_time_total > 0 and e.key not in PHASES]
     total = sum(e.self_cpu_time_total for e in events)
     events.sort(key=lambda e: -e.self_cpu_time_total)
-    print(f"\n## {shape} {kind}, {precision}{', fused AdamW' if fused_adam else ''}, batch {batch} × {seq_len} tokens: step {plain * 1e3:.0f} ms "
+    print(f"\n## {shape} {kind}, {precision}, batch {batch} × {seq_len} tokens: step {plain * 1e3:.0f} ms "
           f"unprofiled ({batch * seq_len / plain:,.0f} tokens/s); profiled self CPU {total / 1e3:.0f} ms")
     wall = sum(phases.values())
     print("phases: " + ", ".join(f"{p} {phases.get(p, 0) / 1e3:.0f} ms ({phases.get(p, 0) / wall:.0%})" for p in PHASES))
     print(f"{'operator':<48} {'self ms':>9} {'share':>7} {'calls':>6}")
     for e in events[:top]:
         print(f"{e.key[:48]:<48} {e.self_cpu_time_total / 1e3:>9.1f} {e.self_cpu_time_total / total:>7.1%} {e.count:>6}")
-    groups: dict[str, float] = {}
-    for e in events:
-        groups[group_of(e.key)] = groups.get(group_of(e.key), 0.0) + e.self_cpu_time_total
-    print("grouped: " + ", ".join(f"{g} {t / total:.0%}" for g, t in sorted(groups.items(), key=lambda kv: -kv[1])))
+
 
 
 def main(argv=None) -> int:
@@ -117,7 +103,6 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=4, help="sequences per step (the demo's micro-batch)")
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--top", type=int, default=12, help="operators listed per profile")
-    parser.add_argument("--fused-adam", action="store_true", help="torch's fused AdamW (one kernel per step)")
     args = parser.parse_args(argv)
     precision = resolve_precision(args.precision)
     print(describe())
@@ -126,7 +111,7 @@ def main(argv=None) -> int:
           f"{torch.get_num_threads()} threads; torch CPU capability {torch.backends.cpu.get_cpu_capability()}")
     for shape in args.shapes.split(","):
         for kind in args.kinds.split(","):
-            profile_one(shape, kind, precision, args.batch, args.seq_len, args.top, args.fused_adam)
+            profile_one(shape, kind, precision, args.batch, args.seq_len, args.top)
     return 0
 
 

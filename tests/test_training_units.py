@@ -85,7 +85,7 @@ def test_seeded_leaves_the_global_generator_alone():
     assert torch.equal(torch.rand(2), expected)
 
 
-def test_weight_decay_applies_exactly_to_the_matrices():
+def test_weight_decay_applies_exactly_to_the_matrices_but_the_position_bias():
     from training.param_groups import GROUPS, parameter_groups
 
     model = build_sequential(ModelConfig(kind="retro", n_layer=4, **SHAPE))
@@ -94,11 +94,13 @@ def test_weight_decay_applies_exactly_to_the_matrices():
     assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
     decay, no_decay = ({id(p) for p in g["params"]} for g in groups)
     named = dict(model.named_parameters())
-    assert decay == {id(p) for p in named.values() if p.dim() >= 2}
-    assert no_decay == {id(p) for p in named.values() if p.dim() < 2}
-    assert {"wte.weight", "wpe.weight", "blocks.1.cca.position_bias", "blocks.0.attn.c_attn.weight"} <= \
+    matrix = {n for n, p in named.items() if p.dim() >= 2 and not n.endswith("position_bias")}
+    assert decay == {id(named[n]) for n in matrix}
+    assert no_decay == {id(p) for n, p in named.items() if n not in matrix}
+    assert {"wte.weight", "wpe.weight", "blocks.0.attn.c_attn.weight"} <= \
         {n for n, p in named.items() if id(p) in decay}
-    assert {"blocks.0.ln_1.weight", "blocks.0.ln_1.bias", "ln_f.weight", "blocks.1.cca.attn.q.bias"} <= \
+    assert {"blocks.0.ln_1.weight", "blocks.0.ln_1.bias", "ln_f.weight", "blocks.1.cca.attn.q.bias",
+            "blocks.1.cca.position_bias", "blocks.3.cca.position_bias"} <= \
         {n for n, p in named.items() if id(p) in no_decay}
     # One AdamW step on zero gradients moves nothing but the decoupled decay: exactly the matrices shrink.
     before = {n: p.detach().clone() for n, p in named.items()}
@@ -106,7 +108,7 @@ def test_weight_decay_applies_exactly_to_the_matrices():
         p.grad = torch.zeros_like(p)
     torch.optim.AdamW(groups, lr=0.5, betas=(0.9, 0.95)).step()
     for n, p in named.items():
-        expected = before[n] * (1 - 0.5 * 0.1) if p.dim() >= 2 else before[n]
+        expected = before[n] * (1 - 0.5 * 0.1) if n in matrix else before[n]
         assert torch.equal(p.detach(), expected), n
 
 

@@ -5,8 +5,10 @@
     #  {"name": "no_decay", "params": [...], "weight_decay": 0.0}]
 
 nanoGPT's rule: a parameter with two or more dimensions (the linear layers' weights, the token
-and position embeddings, the CCA's relative position bias table) decays; vectors (biases,
-LayerNorm gains and shifts) do not: shrinking them towards zero is no useful prior.
+and position embeddings) decays; vectors (biases, LayerNorm gains and shifts) do not: shrinking
+them towards zero is no useful prior. The CCA's relative position bias is a table (heads ×
+offsets) but a bias all the same: it must grow to whole logits for a layer to attend "the same
+position in the neighbour" (ModelConfig.position_bias_scale), and decay would pull it back.
 
 Why the same two groups, in the same order, on every pipeline stage: DeepSpeed's pipelined ZeRO-1
 optimizer all-reduces one gradient norm *per group* across the pipeline stages (a collective per
@@ -26,17 +28,17 @@ import torch.nn as nn
 GROUPS = ("decay", "no_decay")
 
 
-def decays(param: torch.Tensor) -> bool:
-    return param.dim() >= 2
+def decays(name: str, param: torch.Tensor) -> bool:
+    return param.dim() >= 2 and not name.endswith("position_bias")
 
 
 def parameter_groups(module: nn.Module, weight_decay: float) -> list[dict]:
     """The trainable parameters of `module` in the two groups of GROUPS, in that order, each
     non-empty (a placeholder parameter is registered on `module` for an empty one)."""
     members = {name: [] for name in GROUPS}
-    for p in module.parameters():  # each parameter once, even if tied
+    for name, p in module.named_parameters():  # each parameter once, even if tied
         if p.requires_grad:
-            members["decay" if decays(p) else "no_decay"].append(p)
+            members["decay" if decays(name, p) else "no_decay"].append(p)
     groups = []
     for name in GROUPS:
         if not members[name]:
