@@ -45,10 +45,7 @@ def open_chunk_store(data_dir: Path, workdir: str) -> ChunkStore:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = entry_parser(__doc__)
-    parser.add_argument("--address", default=None,
-                        help="join this Ray cluster (HOST:PORT, or auto: the one `ray start` runs here); default: "
-                             "RAY_ADDRESS, else a private local Ray. With token authentication: RAY_AUTH_MODE=token")
+    parser = entry_parser(__doc__, ray=True)
     args = parser.parse_args(argv)
     quiet_engines(args.verbose)
     from retrieval.build import build_retrieval, summary

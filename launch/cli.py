@@ -24,7 +24,7 @@ from launch.config import Config, load_config
 
 
 def entry_parser(doc: str | None, config: bool = True, progress: bool = True, device: bool = False,
-                 **kwargs) -> argparse.ArgumentParser:
+                 ray: bool = False, **kwargs) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
     if config:
         parser.add_argument("--config", default=None, help="YAML config (e.g. configs/tiny.yaml)")
@@ -36,6 +36,10 @@ def entry_parser(doc: str | None, config: bool = True, progress: bool = True, de
                         help="show Ray's and DeepSpeed's own INFO logs (default: warnings and errors only)")
     if progress:
         parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    if ray:
+        parser.add_argument("--address", default=None,
+                            help="join this Ray cluster (HOST:PORT, or auto: the one `ray start` runs here); default: "
+                                 "RAY_ADDRESS, else a private local Ray. With token authentication: RAY_AUTH_MODE=token")
     if device:
         parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                             help="where the model runs: auto = cuda when a GPU is visible, else cpu")

@@ -20,10 +20,7 @@ from launch.ray_utils import ClusterError, RayExecutor
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = entry_parser(__doc__)
-    parser.add_argument("--address", default=None,
-                        help="join this Ray cluster (HOST:PORT, or auto: the one `ray start` runs here); default: "
-                             "RAY_ADDRESS, else a private local Ray. With token authentication: RAY_AUTH_MODE=token")
+    parser = entry_parser(__doc__, ray=True)
     args = parser.parse_args(argv)
     quiet_engines(args.verbose)
     executor = None
