@@ -51,10 +51,6 @@ def stages(config: str, overrides: list[str], nproc: int, workdir: Path) -> list
     ]
 
 
-def is_newer(path: Path, inputs: list[Path]) -> bool:
-    return path.exists() and all(p.exists() and p.stat().st_mtime <= path.stat().st_mtime for p in inputs)
-
-
 def main(argv: list[str] | None = None) -> int:
     from launch.cli import config_from_args, entry_parser, quiet_engines
     from launch.config import load_config
@@ -82,9 +78,6 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"}
     began = time.perf_counter()
     for name, cmd in stages(config, overrides, args.nproc, workdir):
-        if name == "evaluate" and is_newer(report, [workdir / "runs" / k / "summary.json" for k in ("gpt2", "retro")]):
-            print(f"\n=== {name}: skipped, {report} is newer than both models")
-            continue
         print(f"\n=== {name}: {' '.join(Path(c).name if i == 0 else c for i, c in enumerate(cmd))}", flush=True)
         start = time.perf_counter()
         if subprocess.run(cmd, cwd=ROOT, env=env).returncode != 0:

@@ -89,7 +89,7 @@ def evaluate(cfg, checkpoints: list[Path], split: str, out: Path, corpus: str | 
     """Score every checkpoint on `split` (or on a held-out corpus); write the report files into out."""
     from tqdm import tqdm
 
-    from data.stage import fingerprint, sha256_file, write_json
+    from data.stage import fingerprint, read_json, sha256_file, write_json
     from data.store import ChunkStore
     from data.tokenizer import get_tokenizer
     from launch.report import write_report
@@ -110,18 +110,24 @@ def evaluate(cfg, checkpoints: list[Path], split: str, out: Path, corpus: str | 
     neighbours, curve = None, []
     if any(m.cfg.kind == "retro" for _, m in models):
         neighbours, curve = neighbour_sources(cfg, store, split, out, database, device)
+    # The evaluation's manifest: what the report is computed from. report.json, written last,
+    # records it; a rerun with the same inputs reads the report back instead of scoring again.
+    inputs = fingerprint({"models": [sha256_file(model_dir_of(p) / "model.safetensors") for p in checkpoints],
+                          "chunk_store": store.fingerprint, "split": split, "eval": vars(cfg.eval),
+                          "align_neighbours": cfg.retrieval.align_neighbours,
+                          "neighbours": neighbours.manifest["fingerprint"] if neighbours else None,
+                          "curve": [n.manifest["fingerprint"] for _, _, n in curve]})
+    done = read_json(out / "report.json")
+    if done is not None and done.get("inputs") == inputs and (out / "report.md").exists():
+        print(f"evaluate: {out / 'report.json'} is complete for these models, data and settings; nothing to do "
+              f"(delete it to score again)")
+        return done
     chunks = store.split(split)
     bar = (lambda name: lambda xs: tqdm(xs, desc=f"eval {name}", leave=False, dynamic_ncols=True)) if progress else None
     report = evaluate_models(models, chunks, token_byte_lengths(get_tokenizer(store.manifest["tokenizer"])), cfg.eval,
                              neighbours, curve, progress=bar, device=device)
     report.update(split=split, corpus=corpus or str(cfg.data.corpus), database=str(database),
-                  checkpoints=[str(p) for p in checkpoints])
-    # What the report was computed from: a rerun with the same inputs may skip (launch/demo.py does).
-    report["inputs"] = fingerprint({"models": [sha256_file(model_dir_of(p) / "model.safetensors") for p in checkpoints],
-                                    "chunk_store": store.fingerprint, "split": split, "eval": vars(cfg.eval),
-                                    "align_neighbours": cfg.retrieval.align_neighbours,
-                                    "neighbours": neighbours.manifest["fingerprint"] if neighbours else None,
-                                    "curve": [n.manifest["fingerprint"] for _, _, n in curve]})
+                  checkpoints=[str(p) for p in checkpoints], inputs=inputs)
     out.mkdir(parents=True, exist_ok=True)
     write_report(report, [p for p in checkpoints], out)
     write_json(out / "report.json", report)  # last: the report is complete

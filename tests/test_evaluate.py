@@ -191,6 +191,21 @@ def test_evaluate_writes_every_report_file(evaluated, capsys):
     assert "retro RETRO[OFF]" in (out / "report.md").read_text() and "bits/byte" in capsys.readouterr().out
 
 
+def test_evaluation_is_skipped_for_the_same_inputs_and_redone_for_others(evaluated, tmp_path, capsys):
+    from launch.evaluate import main
+
+    root, sets = evaluated
+    args = ["--config", "configs/tiny.yaml", *sets, "--checkpoint", str(root / "runs" / "gpt2"), "--out", str(tmp_path)]
+    assert main(args) == 0
+    first = (tmp_path / "report.json").read_text()
+    capsys.readouterr()
+    assert main(args) == 0  # the same models, data and eval settings: the manifest says it is done
+    assert "nothing to do" in capsys.readouterr().out and (tmp_path / "report.json").read_text() == first
+    assert main([*args, "--set", "eval.stride=8"]) == 0  # another setting: scored again
+    again = json.loads((tmp_path / "report.json").read_text())
+    assert "nothing to do" not in capsys.readouterr().out and again["inputs"] != json.loads(first)["inputs"]
+
+
 def test_evaluate_a_held_out_corpus_against_the_training_database(evaluated, tmp_path):
     from launch.evaluate import main
 
