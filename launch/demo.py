@@ -26,13 +26,17 @@ PROMPT = "The hacker ethic"
 
 
 def stages(config: str, overrides: list[str], nproc: int, workdir: Path) -> list[tuple[str, list[str]]]:
+    from launch.cli import engines_verbose
+
     sets = [a for o in overrides for a in ("--set", o)]
     py = sys.executable
     deepspeed = shutil.which("deepspeed", path=str(Path(py).parent)) or "deepspeed"
     runs = workdir / "runs"
+    # The launcher's own INFO lines (its environment, the world info) only with --verbose.
+    launcher_log = [] if engines_verbose() else ["--log_level", "warning"]
 
     def train(kind: str) -> list[str]:
-        return [deepspeed, "--num_gpus", str(nproc), "launch/train.py", "--config", config, *sets,
+        return [deepspeed, "--num_gpus", str(nproc), *launcher_log, "launch/train.py", "--config", config, *sets,
                 "--set", f"model.kind={kind}", "--set", f"train.name={kind}"]
 
     def generate(kind: str) -> list[str]:

@@ -89,3 +89,16 @@ def test_cpu_threads_share_a_pipelines_cores_not_another_replicas(monkeypatch):
     assert hardware.cpu_threads("shared", local_processes=4, stages=2) == 4    # two replicas side by side
     assert hardware.cpu_threads("split", local_processes=4, stages=2) == 2
     assert hardware.thread_environment("shared", 2, 2) == {"OMP_NUM_THREADS": "8", "OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def test_demo_quiets_the_deepspeed_launcher_unless_verbose(monkeypatch, tmp_path):
+    from launch.demo import stages
+
+    def train_cmd():
+        return dict(stages("configs/tiny.yaml", [], 2, tmp_path))["train RETRO"]
+
+    monkeypatch.delenv("RETROPIPE_VERBOSE", raising=False)
+    cmd = train_cmd()
+    assert cmd[cmd.index("--log_level") + 1] == "warning" and cmd.index("--log_level") < cmd.index("launch/train.py")
+    monkeypatch.setenv("RETROPIPE_VERBOSE", "1")
+    assert "--log_level" not in train_cmd()
