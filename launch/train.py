@@ -78,7 +78,7 @@ def preflight(cfg, world_size: int):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = entry_parser(__doc__, progress=False)
+    parser = entry_parser(__doc__)
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # from the launcher
     args = parser.parse_args(argv)
     quiet_engines(args.verbose)
@@ -116,19 +116,19 @@ def main(argv: list[str] | None = None) -> int:
 
     init_distributed()
     try:
-        return train(cfg, store, neighbours, run_dir, start, rank)
+        return train(cfg, store, neighbours, run_dir, start, rank, progress=not args.no_progress)
     finally:
         shutdown()
 
 
-def train(cfg, store, neighbours, run_dir: Path, start, rank: int) -> int:
+def train(cfg, store, neighbours, run_dir: Path, start, rank: int, progress: bool = True) -> int:
     """Build this rank's stage, train, export the model and mark the run complete; the exit code."""
     from training.engine import Trainer, check_tied_weights
     from training.pipeline import Pipeline
 
     try:
         pipe = Pipeline(cfg.model, cfg.train, warm_start=start.kind == "fresh")
-        trainer = Trainer(cfg, pipe, store, neighbours, run_dir, start)
+        trainer = Trainer(cfg, pipe, store, neighbours, run_dir, start, progress=progress)
     except TrainingError as e:
         if rank == 0:
             print(f"train: error: {e}", file=sys.stderr)

@@ -91,12 +91,13 @@ def test_baseline_trains_on_two_pipeline_stages(reference_run):
 def test_two_stages_equal_one_stage(workdir, reference_run):
     # The 1-stage run also takes the plain output head (all logits, then the loss): the fused,
     # sliced head of the reference run must train exactly the same.
-    code, log = train(1, ["--config", "configs/tiny-gpt2.yaml", "--verbose",
+    code, log = train(1, ["--config", "configs/tiny-gpt2.yaml", "--verbose", "--no-progress",
                           *sets(f"workdir={workdir}", "train.name=one", "train.pipeline_stages=1",
                                 "train.fused_head=false")],
                       workdir / "logs-one")
     assert code == 0, log[-3000:]
     assert "Using topology" in log  # --verbose: DeepSpeed's own output too
+    assert "train one:" not in log and "it/s" not in log  # --no-progress: no bar
     one, two = losses(workdir / "runs" / "one"), losses(reference_run[0])
     assert one.keys() == two.keys()
     for step in one:
@@ -117,7 +118,7 @@ def test_kill_and_resume_reproduces_the_loss_curve(workdir, reference_run):
     assert json.loads((run_dir / "checkpoints" / "latest.json").read_text())["step"] == 3
     code, log = train(2, args, workdir / "logs-resumed")
     assert code == 0, log[-3000:]
-    assert "resumed from step 3" in log
+    assert "resumed from step 3" in log and "train killed" in log  # (the progress bar, by default)
     resumed, reference = losses(run_dir), losses(reference_run[0])
     assert logged_steps(run_dir) == list(range(1, 9))  # steps 4 and 5 were dropped, then logged again
     for step in resumed:

@@ -43,9 +43,9 @@ def _to_pipe(batch: dict, retro: bool):
 class Trainer:
     """start: where the run begins (training/start.py `plan_start`: fresh, resume or branch)."""
 
-    def __init__(self, cfg, pipe, store, neighbours, run_dir: Path, start, log=print):
+    def __init__(self, cfg, pipe, store, neighbours, run_dir: Path, start, log=print, progress: bool = True):
         self.cfg, self.pipe, self.store, self.run_dir, self.log = cfg, pipe, store, Path(run_dir), log
-        self.start = start
+        self.start, self.progress = start, progress
         self.t = cfg.train
         self.retro = cfg.model.kind == "retro"
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -103,7 +103,8 @@ class Trainer:
                 how = (f"resumed from step {start}" if self.start.kind == "resume"
                        else f"branched from {self.start.ckpt_dir / self.start.tag} at step {start}")
                 self.log(f"{how}; lr {self.pipe.lr():.6g} next, on a schedule of {self.t.steps} steps")
-            bar = tqdm(total=self.t.steps, initial=start, desc=f"train {self.run_dir.name}", dynamic_ncols=True)
+            bar = tqdm(total=self.t.steps, initial=start, desc=f"train {self.run_dir.name}", dynamic_ncols=True,
+                       disable=not self.progress)
         it = None
         if self.pipe.first or self.pipe.last:
             batches = micro_batches(self.train_data, start * self.t.micro_batches, self.t.micro_batch_size,
