@@ -112,7 +112,9 @@ def evaluate(cfg, checkpoints: list[Path], split: str, out: Path, corpus: str | 
         neighbours, curve = neighbour_sources(cfg, store, split, out, database, device)
     # The evaluation's manifest: what the report is computed from. report.json, written last,
     # records it; a rerun with the same inputs reads the report back instead of scoring again.
-    inputs = fingerprint({"models": [sha256_file(model_dir_of(p) / "model.safetensors") for p in checkpoints],
+    inputs = fingerprint({"models": [(name, sha256_file(model_dir_of(p) / "model.safetensors"),
+                                      sha256_file(model_dir_of(p) / "config.json"))
+                                     for (name, _), p in zip(models, checkpoints)],
                           "chunk_store": store.fingerprint, "split": split, "eval": vars(cfg.eval),
                           "align_neighbours": cfg.retrieval.align_neighbours,
                           "neighbours": neighbours.manifest["fingerprint"] if neighbours else None,
@@ -130,8 +132,8 @@ def evaluate(cfg, checkpoints: list[Path], split: str, out: Path, corpus: str | 
                   checkpoints=[str(p) for p in checkpoints], inputs=inputs)
     out.mkdir(parents=True, exist_ok=True)
     write_report(report, [p for p in checkpoints], out)
-    write_json(out / "report.json", report)  # last: the report is complete
     save_config(cfg, out)
+    write_json(out / "report.json", report)  # last: the report is complete
     return report
 
 

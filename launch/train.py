@@ -163,7 +163,8 @@ def train(cfg, store, neighbours, run_dir: Path, start, rank: int, progress: boo
                    "tied_embedding_max_diff": 0.0, "partition": pipe.parts,
                    "model_dir": str(run_dir / "model")}
         write_json(run_dir / "summary.json", summary)
-        print(f"train: done; model in {run_dir / 'model'}; final loss {summary['final_loss']:.4f}"
+        final = summary["final_loss"]  # None when a rerun found the last step already trained
+        print(f"train: done; model in {run_dir / 'model'}" + (f"; final loss {final:.4f}" if final is not None else "")
               + (f", validation loss {result['val_loss']:.4f}" if result["val_loss"] is not None else ""))
     return 0
 

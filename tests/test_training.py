@@ -105,6 +105,25 @@ def test_two_stages_equal_one_stage(workdir, reference_run):
 
 
 @pytest.mark.slow
+def test_two_data_parallel_replicas_train_and_export(workdir, reference_run):
+    # 1 stage × 2 replicas: the export gathers ZeRO-1's sharded master weights, a collective every
+    # replica must join (a replica that skipped it hung the run after its last step).
+    code, log = train(2, ["--config", "configs/tiny-gpt2.yaml",
+                          *sets(f"workdir={workdir}", "train.name=dp2", "train.pipeline_stages=1")],
+                      workdir / "logs-dp2", timeout=240)
+    assert code == 0, log[-3000:]
+    assert "1 stages × 2 data parallel" in log
+    curve = losses(workdir / "runs" / "dp2")
+    assert sorted(curve) == list(range(1, 9)) and curve[8] < curve[1] - 0.3, curve
+    from training import load_model
+    model = load_model(workdir / "runs" / "dp2" / "model")
+    ref = load_model(reference_run[0] / "model")
+    # Twice the tokens per step of the reference: the same initial weights, different trained ones.
+    assert model.wte.weight.shape == ref.wte.weight.shape
+    assert not torch.equal(model.wte.weight, ref.wte.weight)
+
+
+@pytest.mark.slow
 def test_kill_and_resume_reproduces_the_loss_curve(workdir, reference_run):
     from data.stage import KILL_AFTER_ENV
 

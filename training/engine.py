@@ -113,7 +113,10 @@ class Trainer:
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.t.precision]
-        peak = torch.tensor(matmul_flops_per_s(dtype, device))
+        # Measured under a forked RNG (its random matrices must not shift a resumed run's stream),
+        # and reduced on the device: NCCL takes no CPU tensors.
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device == "cuda" else []):
+            peak = torch.tensor(matmul_flops_per_s(dtype, device), device=device)
         dist.all_reduce(peak)  # the whole world's peak
         fpt = flops_per_token(self.cfg.model, self.t.seq_len)
         bytes_per_token = self.store.split_bytes("validation") / max(self.store.manifest["splits"]["validation"]["tokens"], 1)

@@ -289,14 +289,17 @@ class Pipeline:
 
         module = self.engine.module
         local = {}
-        if self.dp_rank == 0:
-            for j, layer in enumerate(module.forward_funcs):
-                if not isinstance(layer, torch.nn.Module):
-                    continue  # a tied layer's second use: its weights are saved with the first
-                name = self.descs[module._local_start + j].name
-                for pname, p in layer.named_parameters():
-                    full = safe_get_full_fp32_param(p)
+        for j, layer in enumerate(module.forward_funcs):
+            if not isinstance(layer, torch.nn.Module):
+                continue  # a tied layer's second use: its weights are saved with the first
+            name = self.descs[module._local_start + j].name
+            for pname, p in layer.named_parameters():
+                # Every data-parallel rank takes part: under ZeRO-1 / the bf16 optimizer this
+                # all-reduces the master copy's shards across the data-parallel group.
+                full = safe_get_full_fp32_param(p)
+                if self.dp_rank == 0:  # one copy per stage is enough
                     local[f"{name}.{pname}"] = (full if full is not None else p).detach().float().cpu()
+            if self.dp_rank == 0:
                 for bname, b in layer.named_buffers():
                     local[f"{name}.{bname}"] = b.detach().cpu()
         gathered = [None] * dist.get_world_size()
