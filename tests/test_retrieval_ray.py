@@ -151,9 +151,15 @@ def test_ray_job_submit_to_a_local_head(built, tmp_path, ray_head):
     shutil.copytree(ref_root / "data", tmp_path / "data")
     _, address, env = ray_head
     sets = [a for s in [f"workdir={tmp_path}", *JOB_SETTINGS] for a in ("--set", s)]
-    job = subprocess.run(["ray", "job", "submit", "--address", address, "--working-dir", ".", "--",
-                          "python", "launch/build_index.py", "--config", "configs/tiny.yaml", "--no-progress", *sets],
-                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    submit = ["ray", "job", "submit", "--address", address, "--working-dir", ".", "--",
+              "python", "launch/build_index.py", "--config", "configs/tiny.yaml", "--no-progress", *sets]
+    # The dashboard answers before the head's job agent has registered; Ray then refuses with
+    # "No available agent ... try again later" (nothing was submitted), and a user tries again.
+    for _ in range(12):
+        job = subprocess.run(submit, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        if "No available agent to submit job" not in job.stdout + job.stderr:
+            break
+        time.sleep(5)
     assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
     assert "retrieval database in" in job.stdout and "recall@2" in job.stdout
     assert "logging_progress" not in job.stdout and "Loading weights" not in job.stdout  # quiet by default
