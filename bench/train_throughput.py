@@ -17,7 +17,7 @@ tokens, random tokens; RETRO gets 2 random neighbours of 2 · chunk_len tokens p
   of a stage that waits for its neighbour works for the busy one (launch/train.py's default).
   `--fused-head` lists the LM-head paths to compare (training/lm_head.py; single and pipeline alike).
 
-Prints tokens/s of both, their ratio (goal on a 2-core CPU: pipeline ≥ 0.85× single; the bubble
+Prints tokens/s of both, the largest peak RSS of a pipeline rank, their ratio (goal on a 2-core CPU: pipeline ≥ 0.85× single; the bubble
 bound is M / (M + P - 1) for M micro-batches and P stages) and MFU against the machine's matmul
 FLOP/s measured in this run. Variants alternate (`--repeat`) so machine noise hits both.
 
@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -124,11 +125,17 @@ def worker(args) -> None:
         engine.train_batch(data_iter=it)
         times.append(time.perf_counter() - t0)
     tokens = train.micro_batch_size * train.micro_batches * train.seq_len
+    print(f"PEAK_RSS_MB {peak_rss_mb():.0f}", flush=True)  # every rank: a training process's peak memory
     if torch.distributed.get_rank() == 0:
         print("RESULT " + json.dumps({"tokens_per_s": tokens / min(times[args.warmup:]), "parts": parts}), flush=True)
 
 
-def run_pipeline(args, kind: str, policy: str) -> tuple[float, list[int]]:
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: kB
+
+
+def run_pipeline(args, kind: str, policy: str) -> tuple[float, list[int], float]:
+    """Tokens/s of the pipeline (best step after warm-up), its cut, the largest peak RSS of a rank."""
     from training.hardware import thread_environment
 
     with socket.socket() as s:
@@ -144,7 +151,8 @@ def run_pipeline(args, kind: str, policy: str) -> tuple[float, list[int]]:
     if any(p.returncode for p in procs):
         raise SystemExit(f"pipeline worker failed:\n{outs[0][-3000:]}\n{outs[-1][-3000:]}")
     result = json.loads(next(line for line in outs[0].splitlines() if line.startswith("RESULT "))[7:])
-    return result["tokens_per_s"], result["parts"]
+    rss = max(float(line.split()[1]) for out in outs for line in out.splitlines() if line.startswith("PEAK_RSS_MB "))
+    return result["tokens_per_s"], result["parts"], rss
 
 
 def main() -> None:
@@ -191,21 +199,27 @@ def main() -> None:
     for kind in args.models.split(","):
         for head in heads:
             args.fused_head = head == "true"
-            single, pipe = [], {policy: [] for policy in policies}
+            single, pipe, rss = [], {policy: [] for policy in policies}, {policy: 0.0 for policy in policies}
             for _ in range(args.repeat):  # alternate, so machine noise hits every variant
                 single.append(run_single(args, kind))
                 for policy in policies:
-                    tps, parts = run_pipeline(args, kind, policy)
+                    tps, parts, peak_rss = run_pipeline(args, kind, policy)
                     pipe[policy].append(tps)
+                    rss[policy] = max(rss[policy], peak_rss)
             fpt = flops_per_token(configs(args, kind)[0], args.seq_len)
             s = max(single)
             for policy in policies:
                 q = max(pipe[policy])
-                rows.append((kind, head, policy, s, q, q / s, mfu(fpt, s, peak), mfu(fpt, q, peak), parts))
+                rows.append((kind, head, policy, s, q, q / s, mfu(fpt, s, peak), mfu(fpt, q, peak), rss[policy], parts))
     print(f"\n{'model':<6} {'fused':>5} {'threads':>7} {'single tok/s':>12} {'pipeline tok/s':>14} {'ratio':>6} "
-          f"{'MFU single':>10} {'MFU pipe':>9}  partition")
-    for kind, head, policy, s, q, ratio, mfu_s, mfu_q, parts in rows:
-        print(f"{kind:<6} {head:>5} {policy:>7} {s:>12,.0f} {q:>14,.0f} {ratio:>5.2f}x {mfu_s:>10.1%} {mfu_q:>9.1%}  {parts}")
+          f"{'MFU single':>10} {'MFU pipe':>9} {'rank RSS MB':>11}  partition")
+    for kind, head, policy, s, q, ratio, mfu_s, mfu_q, rss_mb, parts in rows:
+        print(f"{kind:<6} {head:>5} {policy:>7} {s:>12,.0f} {q:>14,.0f} {ratio:>5.2f}x {mfu_s:>10.1%} {mfu_q:>9.1%} "
+              f"{rss_mb:>11,.0f}  {parts}")
+    first = rows[0]
+    for row in rows[1:]:  # side by side with the first variant (e.g. main's settings: plain head, split threads)
+        print(f"{row[0]} fused={row[1]} {row[2]}: pipeline {row[4] / first[4]:.2f}× the tokens/s of "
+              f"{first[0]} fused={first[1]} {first[2]}, peak rank RSS {row[8] / first[8]:.2f}×")
     best = max(rows, key=lambda r: r[5])
     print(f"goal: pipeline ≥ 0.85× single (best: {best[5]:.2f}× with {best[2]} threads)")
 

@@ -161,11 +161,15 @@ def train(cfg, store, neighbours, run_dir: Path, start, rank: int, progress: boo
                    "branched_from": str(start.ckpt_dir / start.tag) if start.kind == "branch" else None,
                    "final_loss": result["losses"].get(cfg.train.steps), "val_loss": result["val_loss"],
                    "tied_embedding_max_diff": 0.0, "partition": pipe.parts,
-                   "model_dir": str(run_dir / "model")}
+                   "peak_memory_mb": result["peak_memory_mb"], "model_dir": str(run_dir / "model")}
         write_json(run_dir / "summary.json", summary)
         final = summary["final_loss"]  # None when a rerun found the last step already trained
         print(f"train: done; model in {run_dir / 'model'}" + (f"; final loss {final:.4f}" if final is not None else "")
               + (f", validation loss {result['val_loss']:.4f}" if result["val_loss"] is not None else ""))
+        memory = result["peak_memory_mb"]
+        print("train: peak memory per rank: " + ", ".join(f"{mb:,} MB" for mb in memory["host_rss_mb"]) + " resident"
+              + ("; " + ", ".join(f"{mb:,} MB" for mb in memory["cuda_allocated_mb"]) + " CUDA allocated"
+                 if "cuda_allocated_mb" in memory else ""))
     return 0
 
 

@@ -119,6 +119,23 @@ def test_fused_head_gives_the_plain_loss_and_gradients():
     assert lm_loss(h, w, torch.full_like(y, -100)).item() == 0.0
     nll = token_nll(h, w, y, slice_tokens=5)
     torch.testing.assert_close(nll, torch.nn.functional.cross_entropy((h @ w.t()).transpose(1, 2), y, reduction="none"))
+    # A target so unlikely that its softmax probability underflows fp32: the NLL is still exact.
+    h_far = torch.zeros(1, 2, 2)
+    h_far[0, :, 0] = 100.0
+    w_far = torch.tensor([[1.0, 0.0], [0.0, 0.0], [-1.0, 0.0]])
+    y_far = torch.tensor([[2, 1]])                       # NLL 200 (probability e^-200) and 100
+    torch.testing.assert_close(lm_loss(h_far, w_far, y_far), loss_fn(h_far @ w_far.t(), y_far))
+    # bf16 (mixed precision): matmuls in bf16, softmax and loss in fp32, gradients in the inputs' dtypes.
+    hb, wb = h.detach().bfloat16().requires_grad_(), w.bfloat16().requires_grad_()
+    lb = lm_loss(hb, wb, y, slice_tokens=4)
+    lb.backward()
+    assert hb.grad.dtype == wb.grad.dtype == torch.bfloat16
+    hr, wr = hb.detach().float().requires_grad_(), wb.detach().float().requires_grad_()
+    lr = loss_fn((hr @ wr.t()).bfloat16().float(), y)
+    lr.backward()
+    torch.testing.assert_close(lb, lr, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hb.grad.float(), hr.grad, rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(wb.grad.float(), wr.grad, rtol=2e-2, atol=2e-3)
 
 
 def test_decode_with_the_cache_gives_the_forward_logits():

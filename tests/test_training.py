@@ -76,6 +76,10 @@ def test_baseline_trains_on_two_pipeline_stages(reference_run):
     assert curve[8] < curve[1] - 0.3, curve
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["tied_embedding_max_diff"] == 0.0  # the head on stage 1 is still the embedding
+    # Each rank's peak memory: two processes, each holding at least its stage (and torch itself).
+    rss = summary["peak_memory_mb"]["host_rss_mb"]
+    assert len(rss) == 2 and all(100 < mb < 20_000 for mb in rss), rss
+    assert "train: peak memory per rank: " in stdout
     from training import load_model
     model = load_model(run_dir / "model")
     assert model(torch.zeros(1, 64, dtype=torch.int64)).shape == (1, 64, 50257)

@@ -163,3 +163,23 @@ def test_the_config_reaches_tensorboard_as_hyperparameters(tmp_path):
     assert hparams["train.fused_head"] == 1 and hparams["model.retro_layers"] == "[2, 4]"  # bools as numbers
     assert yaml.safe_load("\n".join(line[4:] for line in text.splitlines())) == cfg
     assert scalars == {"loss": [(2, 7.5)]}
+
+
+def test_precision_auto_takes_bf16_only_where_the_kernels_may_use_it(monkeypatch):
+    import training.hardware as hw
+
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.setattr(hw, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f", "avx512_bf16"}))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert hw.resolve_precision("auto") == "bf16"
+    # Kernels held to AVX2 on the same CPU emulate bf16 (15-35× slower): fp32.
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert hw.resolve_precision("auto") == "fp32"
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert hw.resolve_precision("auto") == "fp32"
+    assert "ATEN_CPU_CAPABILITY=avx2" in hw.describe()
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY")
+    monkeypatch.setattr(hw, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    assert hw.resolve_precision("auto") == "fp32" and hw.resolve_precision("bf16") == "bf16"

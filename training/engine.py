@@ -20,7 +20,7 @@ import torch.distributed as dist
 from data.stage import fault_point
 from training.data import SequenceBatches, micro_batches
 from training.flops import flops_per_token, mfu
-from training.hardware import matmul_flops_per_s
+from training.hardware import matmul_flops_per_s, peak_memory_mb
 from training.metrics_log import MetricsLog
 from training.rng import rng_state, set_rng_state
 from training.run_dir import TrainingError, checkpoint_tag, declare_checkpoint
@@ -144,4 +144,11 @@ class Trainer:
         if self.rank == 0:
             bar.close()
             metrics.close()
-        return {"losses": losses, "val_loss": val, "start_step": start}
+        # Every rank's peak memory, gathered on the device (NCCL takes no CPU tensors).
+        mine = torch.tensor(peak_memory_mb(device), dtype=torch.float64, device=device)
+        every = [torch.zeros_like(mine) for _ in range(self.world)]
+        dist.all_gather(every, mine)
+        memory = {"host_rss_mb": [round(float(m[0])) for m in every]}
+        if device == "cuda":
+            memory["cuda_allocated_mb"] = [round(float(m[1])) for m in every]
+        return {"losses": losses, "val_loss": val, "start_step": start, "peak_memory_mb": memory}

@@ -29,7 +29,14 @@ def cpu_flags() -> frozenset[str]:
 
 
 def cpu_has_bf16() -> bool:
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+    """The CPU has bf16 instructions and torch's kernels may use them.
+
+    Kernels held to AVX2 (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA: how one runs an AVX2-only CPU's
+    code paths on this one) emulate bf16 matmuls, 15-35× slower than fp32 (docs/benchmarks.md).
+    """
+    held = (os.environ.get("ATEN_CPU_CAPABILITY", "").lower() in ("default", "avx2")
+            or os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() in ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX512_CORE"))
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags()) and not held
 
 
 def resolve_precision(precision: str) -> str:
@@ -62,9 +69,25 @@ def describe() -> str:
     have = [name for flag, name in CPU_FLAGS.items() if flag in flags]
     lack = [name for flag, name in CPU_FLAGS.items() if flag not in flags and flag != "fma"]
     gpu = (f"{torch.cuda.device_count()} × {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "no GPU")
+    # The kernels torch runs can be held below what the CPU has (ATEN_CPU_CAPABILITY=avx2 and
+    # ONEDNN_MAX_CPU_ISA=AVX2 run an AVX2-only CPU's code paths on an AVX-512 one): say so.
+    kernels = torch.backends.cpu.get_cpu_capability()
+    held = [f"{k}={os.environ[k]}" for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if os.environ.get(k)]
     return (f"{cpu_model()}, {os.cpu_count()} cores, {'+'.join(have) or 'no AVX'}"
-            + (f" (no {', '.join(lack)})" if lack else "") + f"; {gpu}; torch {torch.__version__}; "
+            + (f" (no {', '.join(lack)})" if lack else "") + f"; {gpu}; torch {torch.__version__}, "
+            f"{kernels} kernels" + (f" ({', '.join(held)})" if held else "") + "; "
             f"precision auto = {resolve_precision('auto')}")
+
+
+def peak_memory_mb(device: str = "cpu") -> tuple[float, float]:
+    """This process's peak resident memory and, on CUDA, peak allocated device memory, in MB."""
+    import resource
+
+    import torch
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports kB
+    cuda = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else 0.0
+    return rss, cuda
 
 
 def cpu_threads(policy: str, local_processes: int, stages: int = 1) -> int:

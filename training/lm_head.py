@@ -6,9 +6,9 @@ Plain path: logits = h @ Wᵀ, (b, n, vocab) at once, then cross-entropy. At GPT
 vocabulary the logits dwarf everything else a small model holds: 4 × 256 × 50,257 floats are
 206 MB, written, read and written again by the softmax and its gradient. The fused path never
 holds more than `slice_tokens` rows of logits: for each slice of tokens it computes the logits,
-their log-sum-exp and the loss, and, when gradients are wanted, straight away the gradient of
-the loss with respect to the slice's logits (softmax − one-hot) and from it the gradients of h
-and W, which backward only scales. The same FLOPs as the plain path (6·N·d·V with W trainable,
+their softmax (one row-wise pass) and the loss, and, when gradients are wanted, straight away
+the gradient of the loss with respect to the slice's logits (softmax − one-hot, in place) and
+from it the gradients of h and W (W's accumulated in place), which backward only scales. The same FLOPs as the plain path (6·N·d·V with W trainable,
 4·N·d·V without), a fraction of the memory traffic. `loss_fn(logits, labels)` in
 training/model.py stays the plain path; a test checks both give the same loss and gradients.
 """
@@ -32,28 +32,51 @@ class _FusedLMLoss(torch.autograd.Function):
         # h (N, d), weight (V, d), labels (N,) with IGNORE_INDEX for no target.
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ctx.h_dtype, ctx.w_dtype = h.dtype, weight.dtype
+        n_tokens, vocab = h.shape[0], weight.shape[0]
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         grad_h = torch.empty_like(h) if want_h else None
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_w else None
         w = weight.to(h.dtype)  # matmuls in h's precision (bf16 under mixed precision), softmax in fp32
-        for start in range(0, h.shape[0], slice_tokens):
+        fp32 = h.dtype == torch.float32
+        # Two (S, V) buffers for all slices: the logits and their softmax. A fresh 51 MB tensor per
+        # slice costs its page faults every time; a row-wise softmax into a buffer reads each row
+        # once from cache, where logsumexp, sub_ and exp_ each streamed the whole slice.
+        rows = min(slice_tokens, n_tokens)
+        logits_buf = torch.empty(rows, vocab, dtype=h.dtype, device=h.device)
+        probs_buf = torch.empty(rows, vocab, dtype=torch.float32, device=h.device)
+        for start in range(0, n_tokens, slice_tokens):
             hs, ys = h[start:start + slice_tokens], labels[start:start + slice_tokens]
-            logits = (hs @ w.t()).float()                                          # (S, V)
+            s = len(ys)
+            logits = torch.mm(hs, w.t(), out=logits_buf[:s])                      # (S, V)
             valid = ys != IGNORE_INDEX
             target = torch.where(valid, ys, 0)
-            lse = torch.logsumexp(logits, dim=-1)                                  # (S,)
-            nll = lse - logits.gather(1, target[:, None]).squeeze(1)
-            total += (nll * valid).sum()
+            probs = torch.ops.aten.softmax.int_out(logits, -1, torch.float32, out=probs_buf[:s])  # (S, V) fp32
+            p_target = probs.gather(1, target[:, None]).squeeze(1)                # (S,)
+            nll = -torch.log(p_target)
+            # A probability below fp32's normal range has lost its digits (or is 0): take those
+            # rows' NLL exactly from their logits, lse − logit.
+            lost = p_target < torch.finfo(torch.float32).tiny
+            if lost.any():
+                rows_lost = logits[lost].float()
+                nll[lost] = torch.logsumexp(rows_lost, -1) - rows_lost.gather(1, target[lost, None]).squeeze(1)
+            total += torch.where(valid, nll, 0.0).sum()
             if want_h or want_w:
-                # d(Σ nll)/d logits = softmax − one-hot, on rows with a target; in place of the logits.
-                grad = logits.sub_(lse[:, None]).exp_()
-                grad[torch.arange(len(ys), device=h.device), target] -= 1.0
-                grad *= valid[:, None]
-                grad = grad.to(hs.dtype)
-                if want_h:
-                    grad_h[start:start + slice_tokens] = grad @ w
-                if want_w:
-                    grad_w += (grad.t() @ hs).float()
+                # d(Σ nll)/d logits = softmax − one-hot, on rows with a target; in place of the softmax.
+                grad = probs
+                grad[torch.arange(s, device=h.device), target] -= 1.0
+                if not valid.all():
+                    grad[~valid] = 0.0
+                if fp32:
+                    if want_h:
+                        torch.mm(grad, w, out=grad_h[start:start + slice_tokens])
+                    if want_w:
+                        grad_w.addmm_(grad.t(), hs)                                # accumulates in place
+                else:
+                    grad = grad.to(hs.dtype)
+                    if want_h:
+                        grad_h[start:start + slice_tokens] = grad @ w
+                    if want_w:
+                        grad_w += (grad.t() @ hs).float()
         ctx.save_for_backward(grad_h, grad_w)
         return total
 
