@@ -117,8 +117,10 @@ def test_fused_head_gives_the_plain_loss_and_gradients():
     y = torch.randint(0, 101, (2, 9))
     torch.testing.assert_close(lm_loss(h, w, y, slice_tokens=4), loss_fn(h @ w.t(), y))
     assert lm_loss(h, w, torch.full_like(y, -100)).item() == 0.0
+    y[1, 3] = -100
     nll = token_nll(h, w, y, slice_tokens=5)
     torch.testing.assert_close(nll, torch.nn.functional.cross_entropy((h @ w.t()).transpose(1, 2), y, reduction="none"))
+    assert nll[1, 3] == 0.0
     # A target so unlikely that its softmax probability underflows fp32: the NLL is still exact.
     h_far = torch.zeros(1, 2, 2)
     h_far[0, :, 0] = 100.0

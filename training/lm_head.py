@@ -16,7 +16,6 @@ training/model.py stays the plain path; a test checks both give the same loss an
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 IGNORE_INDEX = -100
 # Tokens per slice: 256 × 50,257 fp32 logits are 51 MB; small enough to stay out of the way,
@@ -105,7 +104,14 @@ def token_nll(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, slic
         h2, y = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
         out = torch.empty(y.shape, dtype=torch.float32, device=h.device)
         w = weight if weight.dtype == h.dtype else weight.to(h.dtype)
+        rows = min(slice_tokens, h2.shape[0])
+        logits_buf = torch.empty(rows, w.shape[0], dtype=h.dtype, device=h.device)  # reused: see _FusedLMLoss
+        logp_buf = torch.empty(rows, w.shape[0], dtype=torch.float32, device=h.device)
         for start in range(0, h2.shape[0], slice_tokens):
-            logits = (h2[start:start + slice_tokens] @ w.t()).float()
-            out[start:start + slice_tokens] = F.cross_entropy(logits, y[start:start + slice_tokens], reduction="none")
+            ys = y[start:start + slice_tokens]
+            logits = torch.mm(h2[start:start + slice_tokens], w.t(), out=logits_buf[:len(ys)])
+            logp = torch.ops.aten.log_softmax.int_out(logits, -1, torch.float32, out=logp_buf[:len(ys)])
+            valid = ys != IGNORE_INDEX                                    # no target: 0, as cross_entropy
+            nll = -logp.gather(1, torch.where(valid, ys, 0)[:, None]).squeeze(1)
+            out[start:start + slice_tokens] = torch.where(valid, nll, 0.0)
         return out.view(targets.shape)
