@@ -3,7 +3,7 @@
     python bench/train_throughput.py [--models gpt2,retro] [--steps 5] [--precision fp32|bf16]
                                      [--micro-batches 8] [--stages 2] [--preset tiny] [--repeat 1]
                                      [--n-layer 12 --n-embd 384 --n-head 6]
-                                     [--threads split,shared] [--fused-head true,false]
+                                     [--threads split,shared] [--fused-head true,false] [--layouts 4x4,2x8]
 
 Same model, same seeds, same global batch (micro_batch_size × micro_batches sequences of seq_len
 tokens, random tokens; RETRO gets 2 random neighbours of 2 · chunk_len tokens per chunk):
@@ -144,7 +144,8 @@ def run_pipeline(args, kind: str, policy: str) -> tuple[float, list[int], float]
     n = args.stages
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(n),
            "LOCAL_WORLD_SIZE": str(n), "DS_ACCELERATOR": "cpu", **thread_environment(policy, n, n)}
-    argv = [sys.executable, __file__, *sys.argv[1:], "--worker", kind, "--fused-head", str(args.fused_head).lower()]
+    argv = [sys.executable, __file__, *sys.argv[1:], "--worker", kind, "--fused-head", str(args.fused_head).lower(),
+            "--micro-batch-size", str(args.micro_batch_size), "--micro-batches", str(args.micro_batches)]
     procs = [subprocess.Popen(argv, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in range(n)]
     outs = [p.communicate()[0] for p in procs]
@@ -173,6 +174,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="alternate single/pipeline this many times")
     parser.add_argument("--threads", default="split,shared", help="pipeline thread policies to compare")
     parser.add_argument("--fused-head", default="true", help="LM-head paths to compare: true, false or both")
+    parser.add_argument("--layouts", default="", help="micro-batch layouts to compare, size x count: 4x4,2x8 "
+                        "(the same global batch cut finer shrinks the bubble); default: the two options above")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -187,39 +190,43 @@ def main() -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
     peak = max(matmul_flops_per_s(dtype, "cpu", size=1024, seconds=1.0) for _ in range(3))
-    m, p = args.micro_batches, args.stages
+    layouts = [tuple(int(v) for v in layout.split("x")) for layout in args.layouts.split(",") if layout] \
+        or [(args.micro_batch_size, args.micro_batches)]
+    p = args.stages
     shape = configs(args, "gpt2")[0]
     print(describe())
-    print(f"preset {args.preset} ({shape.n_layer} layers, "
-          f"width {shape.n_embd}), seq_len {args.seq_len}, "
-          f"global batch {args.micro_batch_size}×{m} sequences, {args.precision}; "
-          f"matmul peak {peak / 1e9:.1f} GFLOP/s; bubble bound M/(M+P-1) = {m / (m + p - 1):.2f}")
+    print(f"preset {args.preset} ({shape.n_layer} layers, width {shape.n_embd}), seq_len {args.seq_len}, "
+          f"{args.precision}; matmul peak {peak / 1e9:.1f} GFLOP/s; micro-batch layouts (size×count) "
+          + ", ".join(f"{b}×{m} (bubble bound M/(M+P-1) = {m / (m + p - 1):.2f})" for b, m in layouts))
     policies, heads = args.threads.split(","), args.fused_head.split(",")
     rows = []
     for kind in args.models.split(","):
         for head in heads:
-            args.fused_head = head == "true"
-            single, pipe, rss = [], {policy: [] for policy in policies}, {policy: 0.0 for policy in policies}
-            for _ in range(args.repeat):  # alternate, so machine noise hits every variant
-                single.append(run_single(args, kind))
+            for args.micro_batch_size, args.micro_batches in layouts:
+                args.fused_head = head == "true"
+                layout = f"{args.micro_batch_size}x{args.micro_batches}"
+                single, pipe, rss = [], {policy: [] for policy in policies}, {policy: 0.0 for policy in policies}
+                for _ in range(args.repeat):  # alternate, so machine noise hits every variant
+                    single.append(run_single(args, kind))
+                    for policy in policies:
+                        tps, parts, peak_rss = run_pipeline(args, kind, policy)
+                        pipe[policy].append(tps)
+                        rss[policy] = max(rss[policy], peak_rss)
+                fpt = flops_per_token(configs(args, kind)[0], args.seq_len)
+                s = max(single)
                 for policy in policies:
-                    tps, parts, peak_rss = run_pipeline(args, kind, policy)
-                    pipe[policy].append(tps)
-                    rss[policy] = max(rss[policy], peak_rss)
-            fpt = flops_per_token(configs(args, kind)[0], args.seq_len)
-            s = max(single)
-            for policy in policies:
-                q = max(pipe[policy])
-                rows.append((kind, head, policy, s, q, q / s, mfu(fpt, s, peak), mfu(fpt, q, peak), rss[policy], parts))
-    print(f"\n{'model':<6} {'fused':>5} {'threads':>7} {'single tok/s':>12} {'pipeline tok/s':>14} {'ratio':>6} "
-          f"{'MFU single':>10} {'MFU pipe':>9} {'rank RSS MB':>11}  partition")
-    for kind, head, policy, s, q, ratio, mfu_s, mfu_q, rss_mb, parts in rows:
-        print(f"{kind:<6} {head:>5} {policy:>7} {s:>12,.0f} {q:>14,.0f} {ratio:>5.2f}x {mfu_s:>10.1%} {mfu_q:>9.1%} "
-              f"{rss_mb:>11,.0f}  {parts}")
+                    q = max(pipe[policy])
+                    rows.append((kind, head, policy, s, q, q / s, mfu(fpt, s, peak), mfu(fpt, q, peak), rss[policy],
+                                 parts, layout))
+    print(f"\n{'model':<6} {'fused':>5} {'layout':>6} {'threads':>7} {'single tok/s':>12} {'pipeline tok/s':>14} "
+          f"{'ratio':>6} {'MFU single':>10} {'MFU pipe':>9} {'rank RSS MB':>11}  partition")
+    for kind, head, policy, s, q, ratio, mfu_s, mfu_q, rss_mb, parts, layout in rows:
+        print(f"{kind:<6} {head:>5} {layout:>6} {policy:>7} {s:>12,.0f} {q:>14,.0f} {ratio:>5.2f}x {mfu_s:>10.1%} "
+              f"{mfu_q:>9.1%} {rss_mb:>11,.0f}  {parts}")
     first = rows[0]
     for row in rows[1:]:  # side by side with the first variant (e.g. main's settings: plain head, split threads)
-        print(f"{row[0]} fused={row[1]} {row[2]}: pipeline {row[4] / first[4]:.2f}× the tokens/s of "
-              f"{first[0]} fused={first[1]} {first[2]}, peak rank RSS {row[8] / first[8]:.2f}×")
+        print(f"{row[0]} fused={row[1]} {row[10]} {row[2]}: pipeline {row[4] / first[4]:.2f}× the tokens/s of "
+              f"{first[0]} fused={first[1]} {first[10]} {first[2]}, peak rank RSS {row[8] / first[8]:.2f}×")
     best = max(rows, key=lambda r: r[5])
     print(f"goal: pipeline ≥ 0.85× single (best: {best[5]:.2f}× with {best[2]} threads)")
 
