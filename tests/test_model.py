@@ -138,6 +138,12 @@ def test_fused_head_gives_the_plain_loss_and_gradients():
     torch.testing.assert_close(lb, lr, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(hb.grad.float(), hr.grad, rtol=2e-2, atol=2e-3)
     torch.testing.assert_close(wb.grad.float(), wr.grad, rtol=2e-2, atol=2e-3)
+    # Under autocast (fp32 inputs) the head's matmuls run in autocast's dtype, as `h @ Wᵀ` would.
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        la = lm_loss(hr.detach(), wr.detach(), y, slice_tokens=4)
+        lp = loss_fn((hr.detach() @ wr.detach().t()).float(), y)
+    torch.testing.assert_close(la, lp, rtol=1e-5, atol=1e-5)
+    assert (la - loss_fn(hr.detach() @ wr.detach().t(), y)).abs() > 1e-6  # not fp32 matmuls
 
 
 def test_decode_with_the_cache_gives_the_forward_logits():

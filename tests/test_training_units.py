@@ -173,12 +173,14 @@ def test_precision_auto_takes_bf16_only_where_the_kernels_may_use_it(monkeypatch
     monkeypatch.setattr(hw, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f", "avx512_bf16"}))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert hw.resolve_precision("auto") == "bf16"
-    # Kernels held to AVX2 on the same CPU emulate bf16 (15-35× slower): fp32.
+    # oneDNN (torch's CPU matmuls) held to AVX2 on the same CPU emulates bf16 (15-35× slower): fp32.
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     assert hw.resolve_precision("auto") == "fp32"
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    assert hw.resolve_precision("auto") == "bf16"
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
-    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
-    assert hw.resolve_precision("auto") == "fp32"
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")  # ATen's elementwise kernels only: matmuls keep bf16
+    assert hw.resolve_precision("auto") == "bf16"
     assert "ATEN_CPU_CAPABILITY=avx2" in hw.describe()
     monkeypatch.delenv("ATEN_CPU_CAPABILITY")
     monkeypatch.setattr(hw, "cpu_flags", lambda: frozenset({"avx2", "fma"}))

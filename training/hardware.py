@@ -29,14 +29,14 @@ def cpu_flags() -> frozenset[str]:
 
 
 def cpu_has_bf16() -> bool:
-    """The CPU has bf16 instructions and torch's kernels may use them.
+    """The CPU has bf16 instructions and oneDNN, which runs torch's CPU matmuls, may use them.
 
-    Kernels held to AVX2 (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA: how one runs an AVX2-only CPU's
-    code paths on this one) emulate bf16 matmuls, 15-35× slower than fp32 (docs/benchmarks.md).
+    oneDNN held below AVX512-BF16 (ONEDNN_MAX_CPU_ISA=AVX2: how one runs an AVX2-only CPU's code
+    paths on this one) emulates bf16 matmuls, 15-35× slower than fp32 (docs/benchmarks.md).
     """
-    held = (os.environ.get("ATEN_CPU_CAPABILITY", "").lower() in ("default", "avx2")
-            or os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() in ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX512_CORE"))
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags()) and not held
+    held = {os.environ.get(k, "").upper() for k in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")}
+    below_bf16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags()) and not (held & below_bf16)
 
 
 def resolve_precision(precision: str) -> str:

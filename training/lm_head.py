@@ -35,16 +35,19 @@ class _FusedLMLoss(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         grad_h = torch.empty_like(h) if want_h else None
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_w else None
-        w = weight.to(h.dtype)  # matmuls in h's precision (bf16 under mixed precision), softmax in fp32
-        fp32 = h.dtype == torch.float32
+        # Matmuls in h's precision (bf16 under mixed precision) or autocast's (the `out=` matmuls
+        # below bypass autocast, so cast here); softmax and loss in fp32.
+        mm_dtype = _autocast_dtype(h.device.type) or h.dtype
+        hm, w = h.to(mm_dtype), weight.to(mm_dtype)
+        fp32 = mm_dtype == torch.float32 and h.dtype == torch.float32
         # Two (S, V) buffers for all slices: the logits and their softmax. A fresh 51 MB tensor per
         # slice costs its page faults every time; a row-wise softmax into a buffer reads each row
         # once from cache, where logsumexp, sub_ and exp_ each streamed the whole slice.
         rows = min(slice_tokens, n_tokens)
-        logits_buf = torch.empty(rows, vocab, dtype=h.dtype, device=h.device)
+        logits_buf = torch.empty(rows, vocab, dtype=mm_dtype, device=h.device)
         probs_buf = torch.empty(rows, vocab, dtype=torch.float32, device=h.device)
         for start in range(0, n_tokens, slice_tokens):
-            hs, ys = h[start:start + slice_tokens], labels[start:start + slice_tokens]
+            hs, ys = hm[start:start + slice_tokens], labels[start:start + slice_tokens]
             s = len(ys)
             logits = torch.mm(hs, w.t(), out=logits_buf[:s])                      # (S, V)
             valid = ys != IGNORE_INDEX
@@ -71,9 +74,9 @@ class _FusedLMLoss(torch.autograd.Function):
                     if want_w:
                         grad_w.addmm_(grad.t(), hs)                                # accumulates in place
                 else:
-                    grad = grad.to(hs.dtype)
+                    grad = grad.to(mm_dtype)
                     if want_h:
-                        grad_h[start:start + slice_tokens] = grad @ w
+                        grad_h[start:start + slice_tokens] = grad @ w                   # into h's dtype
                     if want_w:
                         grad_w += (grad.t() @ hs).float()
         ctx.save_for_backward(grad_h, grad_w)
@@ -85,6 +88,16 @@ class _FusedLMLoss(torch.autograd.Function):
         dh = (grad_h * grad_output.to(grad_h.dtype)) if grad_h is not None else None
         dw = (grad_w * grad_output).to(ctx.w_dtype) if grad_w is not None else None
         return dh, dw, None, None
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast computes matmuls in on this device type, or None when it is off."""
+    try:
+        return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+    except (AttributeError, TypeError):  # torch < 2.4: per-device functions
+        if device_type == "cpu":
+            return torch.get_autocast_cpu_dtype() if torch.is_autocast_cpu_enabled() else None
+        return torch.get_autocast_gpu_dtype() if torch.is_autocast_enabled() else None
 
 
 def lm_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, slice_tokens: int = SLICE_TOKENS) -> torch.Tensor:
