@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import socket
 import subprocess
 import sys
@@ -104,6 +103,7 @@ def worker(args) -> None:
     import torch
 
     from training.deepspeed_config import deepspeed_config
+    from training.hardware import peak_memory_mb
     from training.pipeline import build_pipeline
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -125,13 +125,9 @@ def worker(args) -> None:
         engine.train_batch(data_iter=it)
         times.append(time.perf_counter() - t0)
     tokens = train.micro_batch_size * train.micro_batches * train.seq_len
-    print(f"PEAK_RSS_MB {peak_rss_mb():.0f}", flush=True)  # every rank: a training process's peak memory
+    print(f"PEAK_RSS_MB {peak_memory_mb()[0]:.0f}", flush=True)  # every rank: a training process's peak memory
     if torch.distributed.get_rank() == 0:
         print("RESULT " + json.dumps({"tokens_per_s": tokens / min(times[args.warmup:]), "parts": parts}), flush=True)
-
-
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: kB
 
 
 def run_pipeline(args, kind: str, policy: str) -> tuple[float, list[int], float]:

@@ -8,8 +8,9 @@ vocabulary the logits dwarf everything else a small model holds: 4 × 256 × 50,
 holds more than `slice_tokens` rows of logits: for each slice of tokens it computes the logits,
 their softmax (one row-wise pass) and the loss, and, when gradients are wanted, straight away
 the gradient of the loss with respect to the slice's logits (softmax − one-hot, in place) and
-from it the gradients of h and W (W's accumulated in place), which backward only scales. The same FLOPs as the plain path (6·N·d·V with W trainable,
-4·N·d·V without), a fraction of the memory traffic. `loss_fn(logits, labels)` in
+from it the gradients of h and W (W's accumulated in place), which backward only scales. The
+same FLOPs as the plain path (6·N·d·V with W trainable, 4·N·d·V without), a fraction of the
+memory traffic. `loss_fn(logits, labels)` in
 training/model.py stays the plain path; a test checks both give the same loss and gradients.
 """
 
@@ -114,11 +115,12 @@ def lm_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, slice_t
 def token_nll(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, slice_tokens: int = SLICE_TOKENS) -> torch.Tensor:
     """Per-token NLL (b, n) of targets under the head, without gradients, slice by slice (evaluation)."""
     with torch.no_grad():
-        h2, y = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
+        mm_dtype = _autocast_dtype(h.device.type) or h.dtype      # as _FusedLMLoss
+        h2, y = h.reshape(-1, h.shape[-1]).to(mm_dtype), targets.reshape(-1)
         out = torch.empty(y.shape, dtype=torch.float32, device=h.device)
-        w = weight if weight.dtype == h.dtype else weight.to(h.dtype)
+        w = weight.to(mm_dtype)
         rows = min(slice_tokens, h2.shape[0])
-        logits_buf = torch.empty(rows, w.shape[0], dtype=h.dtype, device=h.device)  # reused: see _FusedLMLoss
+        logits_buf = torch.empty(rows, w.shape[0], dtype=mm_dtype, device=h.device)  # reused: see _FusedLMLoss
         logp_buf = torch.empty(rows, w.shape[0], dtype=torch.float32, device=h.device)
         for start in range(0, h2.shape[0], slice_tokens):
             ys = y[start:start + slice_tokens]
