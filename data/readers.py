@@ -169,16 +169,22 @@ def read_parquet(path: Path, name: str, bad: BadRecords, text_field: str, id_fie
     if text_field not in columns:
         raise DataError(f"{path}: no column {text_field!r} (data.text_field); columns are {columns}")
     wanted = [text_field] + ([id_field] if id_field in columns else [])
+    batches = (batch.to_pydict() for batch in pf.iter_batches(batch_size=1024, columns=wanted))
+    yield from column_rows(batches, str(path), name, bad, text_field, id_field)
+
+
+def column_rows(batches: Iterator[dict], where: str, prefix: str, bad: BadRecords, text_field: str,
+                id_field: str) -> Iterator[Document]:
+    """Documents from batches of columns ({column: values}); a row without an id is `prefix:row`."""
     row = 0
-    for batch in pf.iter_batches(batch_size=1024, columns=wanted):
-        data = batch.to_pydict()
-        ids = data.get(id_field, [None] * batch.num_rows)
-        for text, rid in zip(data[text_field], ids):
+    for batch in batches:
+        ids = batch.get(id_field, [None] * len(batch[text_field]))
+        for text, rid in zip(batch[text_field], ids):
             row += 1
             if not isinstance(text, str):
-                bad.bad("non_string_text", f"{path}:row {row}", f"column {text_field!r} is not a string")
+                bad.bad("non_string_text", f"{where}:row {row}", f"column {text_field!r} is not a string")
                 continue
-            yield Document(str(rid) if rid is not None else f"{name}:{row}", text)
+            yield Document(str(rid) if rid is not None else f"{prefix}:{row}", text)
 
 
 def read_saved_dataset(path: Path, name: str, bad: BadRecords, text_field: str, id_field: str) -> Iterator[Document]:
@@ -201,15 +207,7 @@ def read_saved_dataset(path: Path, name: str, bad: BadRecords, text_field: str, 
             raise DataError(f"{where}: no column {text_field!r} (data.text_field); columns are {ds.column_names}")
         wanted = [text_field] + ([id_field] if id_field in ds.column_names and id_field != text_field else [])
         prefix = f"{name}/{split}" if split else name
-        row = 0
-        for batch in ds.select_columns(wanted).iter(batch_size=1024):
-            ids = batch.get(id_field, [None] * len(batch[text_field]))
-            for text, rid in zip(batch[text_field], ids):
-                row += 1
-                if not isinstance(text, str):
-                    bad.bad("non_string_text", f"{where}:row {row}", f"column {text_field!r} is not a string")
-                    continue
-                yield Document(str(rid) if rid is not None else f"{prefix}:{row}", text)
+        yield from column_rows(ds.select_columns(wanted).iter(batch_size=1024), where, prefix, bad, text_field, id_field)
 
 
 def read_documents(corpus: str, text_field: str = "text", id_field: str = "id",
