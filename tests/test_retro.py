@@ -93,7 +93,7 @@ def test_layer_list_equals_monolithic_exactly():
         tokens, neighbours = inputs()
         assert torch.equal(net(tokens, neighbours), seq(tokens, neighbours))
     names = [d.name for d in layer_list(tiny())]
-    assert names == ["wte", "wpe", "blocks.0", "wte", "blocks.1", "blocks.2", "blocks.3", "ln_f", "wte"]
+    assert names == ["wte", "wpe", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "ln_f", "wte"]
 
 
 def test_layer_tuples_follow_the_pipeline_contract():
@@ -107,8 +107,8 @@ def test_layer_tuples_follow_the_pipeline_contract():
         items = x if isinstance(x, tuple) else (x,)
         kinds.append("".join("f" if t.is_floating_point() else "i" for t in items))
         assert all(t.dtype == torch.int64 for t in items if not t.is_floating_point())
-    # wte, wpe, block0, embed_neighbours, block1 (first CCA), block2, block3 (last CCA), block4, ln_f, head
-    assert kinds == ["fi", "fi", "fi", "fif", "fif", "fif", "f", "f", "f", "f"]
+    # wte (tokens and neighbours), wpe, block0, block1 (first CCA), block2, block3 (last CCA), block4, ln_f, head
+    assert kinds == ["fif", "fif", "fif", "fif", "fif", "f", "f", "f", "f"]
 
 
 def test_sequence_not_a_multiple_of_chunk_len_is_rejected():

@@ -1,6 +1,6 @@
 """RETRO's retrieval encoder: a small bidirectional transformer over each neighbour's r tokens.
 
-Input: the neighbours embedded with the decoder's own token embedding (`retro.embed_neighbours`,
+Input: the neighbours embedded with the decoder's own token embedding (`retro.embed_inputs`,
 a tied use of `wte`), projected from n_embd to the encoder's width. Every encoder layer is
 self-attention over the neighbour's tokens (bidirectional, rotary), cross-attention to the
 decoder activations H_u of the chunk the neighbour was retrieved for (paper: "conditioned on

@@ -8,8 +8,8 @@
 Activations between layers (the pipeline contract; ids int64, everything else float):
 
     GPT-2:  tokens (b, n) ─wte→ x ─wpe→ h ─blocks→ h ─ln_f→ h ─wte→ logits (b, n, vocab)
-    RETRO:  (tokens, ids) ─wte→ (x, ids) ─wpe→ (h, ids) ─blocks before the first CCA→ (h, ids)
-            ─wte (embed_neighbours)→ (h, ids, embedded (b, l, k, r, d))
+    RETRO:  (tokens, ids) ─wte→ (x, ids, embedded (b, l, k, r, d)) ─wpe→ (h, ids, embedded)
+            ─blocks before the first CCA→ (h, ids, embedded)
             ─first CCA block→ (h, ids, encoded (b, l, k, r, e)) ─blocks→ (h, ids, encoded)
             ─last CCA block→ h ─blocks, ln_f→ h ─wte→ logits
 
@@ -17,8 +17,8 @@ ids = neighbour token ids (b, l, k, r), -1 = missing (no separate mask crosses s
 float crossing a layer boundary is differentiated downstream: `embedded` feeds the encoder,
 `encoded` the CCAs, and the last CCA drops both.
 
-Tying: the three `wte` entries share tie_key "embed" and one `TokenEmbedding` module; they differ
-by forward_fn(module, x). The DeepSpeed adapter (training/pipeline.py `layer_specs`) builds the
+Tying: the two `wte` entries (the input lookup, of RETRO's neighbours too; the output head)
+share tie_key "embed" and one `TokenEmbedding` module; they differ by forward_fn(module, x). The DeepSpeed adapter (training/pipeline.py `layer_specs`) builds the
 first use as a `TiedLayerSpec` of a subclass whose own forward is that use (DeepSpeed saves a tied
 module only through a use without forward_fn) and the later uses as
 `TiedLayerSpec(d.tie_key, d.cls, forward_fn=d.forward_fn)`; untied layers are `LayerSpec`s.
@@ -39,7 +39,7 @@ import torch.nn as nn
 
 from training.config import ModelConfig
 from training.model import Block, PositionEmbedding, TokenEmbedding, embed_tokens, head_inputs, lm_logits
-from training.retro import RetroBlock, embed_inputs, embed_neighbours, freeze_trunk, no_neighbours
+from training.retro import RetroBlock, embed_inputs, freeze_trunk, no_neighbours
 
 # Neighbours per chunk assumed by the cost estimates.
 COST_NEIGHBOURS = 2
@@ -86,13 +86,11 @@ def layer_list(cfg: ModelConfig, fused_head: bool = False) -> list[LayerDesc]:
     retro = cfg.kind == "retro"
     wte = dict(cls=TokenEmbedding, kwargs=dict(vocab_size=cfg.vocab_size, n_embd=d), tie_key="embed")
     first_fn = functools.partial(embed_inputs, chunk_len=cfg.chunk_len) if retro else embed_tokens
-    descs = [LayerDesc("wte", **wte, forward_fn=first_fn, cost=n * d * giga),
+    nb = (n // cfg.chunk_len) * COST_NEIGHBOURS * 2 * cfg.chunk_len if retro else 0  # neighbour tokens looked up too
+    descs = [LayerDesc("wte", **wte, forward_fn=first_fn, cost=(n + nb) * d * giga),
              LayerDesc("wpe", PositionEmbedding, dict(cfg=cfg), cost=n * d * giga)]
     cca = [i - 1 for i in cfg.cca_layers()] if retro else []
     for i in range(cfg.n_layer):
-        if i in cca and i == cca[0]:
-            nb = (n // cfg.chunk_len) * COST_NEIGHBOURS * 2 * cfg.chunk_len
-            descs.append(LayerDesc("wte", **wte, forward_fn=embed_neighbours, cost=nb * d * giga))
         if i in cca:
             flops = _block_flops(cfg, n) + _cca_flops(cfg, n, first=i == cca[0])
             descs.append(LayerDesc(f"blocks.{i}", RetroBlock, dict(cfg=cfg, first=i == cca[0], last=i == cca[-1]),

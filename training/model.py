@@ -45,8 +45,8 @@ class TokenEmbedding(nn.Embedding):
     """The token embedding `wte`, shared by the input, the output head and RETRO's neighbours.
 
     It is the one tied module (DeepSpeed: `TiedLayerSpec('embed', TokenEmbedding, ...)`); its uses
-    are the functions `embed_tokens`, `lm_logits` and `retro.embed_neighbours`. They read
-    `wte.weight` rather than calling `wte(...)`: in a pipeline the module's own forward is
+    are the functions `embed_tokens` (RETRO: `retro.embed_inputs`, which looks up the neighbours
+    too) and `lm_logits`. They read `wte.weight` rather than calling `wte(...)`: in a pipeline the module's own forward is
     replaced by its first use (training/pipeline.py), so a call would run the wrong use.
     """
 

@@ -50,20 +50,22 @@ def no_neighbours(tokens: torch.Tensor, chunk_len: int) -> torch.Tensor:
 
 
 def embed_inputs(wte: TokenEmbedding, x, chunk_len: int):
-    """First RETRO layer (tied use of wte): (tokens, neighbours) → (token embeddings (b, n, d), neighbours)."""
+    """First RETRO layer (tied use of wte): (tokens, neighbours) → (token embeddings (b, n, d),
+    neighbours, embedded neighbours (b, l, k, r, d)).
+
+    Tokens and neighbours are looked up together: each lookup's backward builds a dense
+    (vocab, d) gradient and adds it into the tied weight's, and on a CPU pipeline stage that
+    memory traffic was the largest cost after the matmuls (docs/benchmarks.md); one lookup halves
+    it. Missing neighbour tokens (-1) embed as token 0; the encoder and the CCA mask them out. The
+    embedded neighbours travel through the blocks before the first CCA (a `Block` passes them on)
+    to the encoder, so they receive a gradient (a DeepSpeed pipe requirement).
+    """
     tokens, neighbours = x
     check_inputs(tokens, neighbours, chunk_len)
-    return F.embedding(tokens, wte.weight), neighbours
-
-
-def embed_neighbours(wte: TokenEmbedding, x):
-    """Tied use of wte just before the first CCA layer: (h, ids) → (h, ids, embedded (b, l, k, r, d)).
-
-    Missing tokens (-1) embed as token 0; the encoder and the CCA mask them out. The embedded
-    float tensor reaches the encoder, so it receives a gradient (a DeepSpeed pipe requirement).
-    """
-    h, neighbours = x
-    return h, neighbours, F.embedding(neighbours.clamp(min=0), wte.weight)
+    ids = torch.cat([tokens.reshape(-1), neighbours.clamp(min=0).reshape(-1)])
+    both = F.embedding(ids, wte.weight)                                    # (b·n + b·l·k·r, d)
+    h, embedded = both.split([tokens.numel(), neighbours.numel()])
+    return h.view(*tokens.shape, -1), neighbours, embedded.view(*neighbours.shape, -1)
 
 
 # The identity-path map is drawn from its own generator: every stage of a pipeline, building only
@@ -151,7 +153,7 @@ class RetroBlock(Block):
             u0, u1 = start // m, (start + n) // m          # chunks u0 … u1 - 1 end at a new position
             if u1 > u0:
                 ids = cache.neighbours[:, u0:u1] = neighbours[:, u0:u1]               # (b, l', k, r)
-                z = F.embedding(ids.clamp(min=0), wte.weight)                          # as embed_neighbours
+                z = F.embedding(ids.clamp(min=0), wte.weight)                          # as embed_inputs
                 cache.encoded[:, u0:u1] = self.encoder(z, ids, cache.states[:, u0 * m:u1 * m])
         h = h + self.cca.decode(h, start, cache.encoded, cache.neighbours)
         return h + self.mlp(self.ln_2(h))
@@ -177,7 +179,6 @@ class Retro(nn.Module):
             raise ValueError(f"Retro needs model.kind 'retro', got {cfg.kind!r}")
         self.cfg = cfg
         cca = [i - 1 for i in cfg.cca_layers()]  # 0-indexed
-        self.first_cca = cca[0]
         self.wte = TokenEmbedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = PositionEmbedding(cfg)
         self.blocks = nn.ModuleList(
@@ -192,10 +193,8 @@ class Retro(nn.Module):
         if neighbours is None:
             neighbours = no_neighbours(tokens, self.cfg.chunk_len)
         # Exactly the layer list of layers.layer_list(cfg), in order.
-        x = self.wpe(embed_inputs(self.wte, (tokens, neighbours), self.cfg.chunk_len))  # (h, ids)
-        for i, block in enumerate(self.blocks):
-            if i == self.first_cca:
-                x = embed_neighbours(self.wte, x)
+        x = self.wpe(embed_inputs(self.wte, (tokens, neighbours), self.cfg.chunk_len))  # (h, ids, embedded)
+        for block in self.blocks:
             x = block(x)
         return self.ln_f(x)
 
