@@ -59,6 +59,9 @@ def test_an_interrupted_run_resumes_and_a_new_one_starts_fresh(tmp_path):
     assert plan_start(cfg(tmp_path), run, 2, PARTS).kind == "fresh"
     fake_run(run, cfg(tmp_path), 8, checkpoints=(3,), complete=False)
     assert plan_start(cfg(tmp_path), run, 2, PARTS).step == 3
+    assert plan_start(cfg(tmp_path), run, 2, [0, 3, 6]).step == 3  # another cut of the same layers resumes
+    with pytest.raises(TrainingError, match="hold a model of 6 pipeline layers, but this RetroPipe builds 7"):
+        plan_start(cfg(tmp_path), run, 2, [0, 4, 7])  # checkpoints of another layer list never load
     (run / "summary.json").write_text(json.dumps({"steps": 4}))
     for path in (run / "checkpoints").rglob("*"):
         path.unlink() if path.is_file() else None

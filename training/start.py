@@ -131,6 +131,11 @@ def plan_start(cfg, run_dir: Path, world_size: int, parts: list[int]) -> Start:
             raise ConfigError("train.steps", f"{t.steps}, but {run_dir} has trained {step} steps already (newest "
                               f"checkpoint {checkpoint_tag(step)}); to continue from an earlier step, start a new "
                               "run with train.branch_from set to one of its checkpoints")
+        stored = (read_json(run_dir / "partition.json") or {}).get("parts")
+        if stored and stored[-1] != parts[-1]:  # another cut of the same layers resumes; other layers do not
+            raise TrainingError(f"{run_dir}'s checkpoints hold a model of {stored[-1]} pipeline layers, but this "
+                                f"RetroPipe builds {parts[-1]} for the same config (its layer list changed since): "
+                                "they cannot be resumed; start a new run (train.name)")
         return Start("resume", step, run_dir / "checkpoints", latest["tag"])
     if summary is not None:
         raise TrainingError(f"{run_dir} finished {summary.get('steps')} steps but holds no checkpoint to continue "
