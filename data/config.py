@@ -58,6 +58,12 @@ class DataConfig:
     on_bad_record: str = "error"
     # Keep only the first N documents (0 = all): for quick experiments on big corpora.
     max_documents: int = 0
+    # "keep" the text's whitespace as it is, or "collapse" every run of spaces, tabs and newlines to
+    # one space: then the same sentences wrapped or indented differently (one dictionary quoting
+    # another, a reflowed edition) tokenize alike, so retrieval's neighbours line up with their
+    # query token for token (docs/results.md); line structure is lost, and bits per byte are
+    # measured on the collapsed text.
+    whitespace: str = "keep"
 
     def __post_init__(self):
         require(bool(self.corpus), "data.corpus", "must name a file, directory or glob")
@@ -70,3 +76,5 @@ class DataConfig:
         require(self.on_bad_record in ("error", "skip"), "data.on_bad_record",
                 f"must be 'error' or 'skip', got {self.on_bad_record!r}")
         require(self.max_documents >= 0, "data.max_documents", "must be >= 0")
+        require(self.whitespace in ("keep", "collapse"), "data.whitespace",
+                f"must be 'keep' or 'collapse', got {self.whitespace!r}")

@@ -40,7 +40,10 @@ MANIFEST_VERSION = 2
 
 def config_fingerprint(cfg: DataConfig) -> str:
     """Fingerprint of the settings that change the bytes written (DataConfig.RUNTIME_KEYS do not)."""
-    return fingerprint({**output_settings(cfg), "manifest_version": MANIFEST_VERSION})
+    settings = output_settings(cfg)
+    if settings.get("whitespace") == "keep":  # what data was before the key existed: the same fingerprint
+        del settings["whitespace"]
+    return fingerprint({**settings, "manifest_version": MANIFEST_VERSION})
 
 
 def shard_name(index: int) -> str:
@@ -105,7 +108,7 @@ def prepare(cfg: DataConfig, out_dir: str | os.PathLike, executor: Executor = se
     def jobs() -> Iterator[tuple]:
         nonlocal n_blocks
         docs, first_doc = [], 0
-        for doc in read_documents(cfg.corpus, cfg.text_field, cfg.id_field, bad, cfg.max_documents):
+        for doc in read_documents(cfg.corpus, cfg.text_field, cfg.id_field, bad, cfg.max_documents, cfg.whitespace):
             docs.append((doc.source_id, doc.text))
             if len(docs) == cfg.docs_per_shard:
                 if n_blocks not in done:

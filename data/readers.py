@@ -5,7 +5,8 @@ Readers yield one `Document` at a time so memory does not grow with the corpus. 
 with a record are reported through `BadRecords`: by default the first one raises
 `DataError` naming the file and line; with `on_bad_record="skip"` it is counted instead.
 Text is normalised once here (BOM dropped, CRLF → LF, NUL bytes removed, invalid UTF-8
-replaced) so every later stage sees exactly the bytes we count for bits per byte.
+replaced; with data.whitespace "collapse", every run of whitespace one space) so every later
+stage sees exactly the bytes we count for bits per byte.
 """
 
 from __future__ import annotations
@@ -77,12 +78,14 @@ def is_saved_dataset(path: Path) -> bool:
     return any((Path(path) / name).is_file() for name in SAVED_DATASET_FILES)
 
 
-def normalise(text: str, bad: BadRecords) -> str:
+def normalise(text: str, bad: BadRecords, whitespace: str = "keep") -> str:
     if text.startswith("\ufeff"):
         text = text[1:]
     if "\x00" in text:
         bad.repaired("nul_bytes_removed")
         text = text.replace("\x00", "")
+    if whitespace == "collapse":  # data.whitespace
+        return " ".join(text.split())
     return text.replace("\r\n", "\n")
 
 
@@ -211,8 +214,8 @@ def read_saved_dataset(path: Path, name: str, bad: BadRecords, text_field: str, 
 
 
 def read_documents(corpus: str, text_field: str = "text", id_field: str = "id",
-                   bad: BadRecords | None = None, max_documents: int = 0) -> Iterator[Document]:
-    """Every non-empty document of the corpus, normalised, in a deterministic order."""
+                   bad: BadRecords | None = None, max_documents: int = 0, whitespace: str = "keep") -> Iterator[Document]:
+    """Every non-empty document of the corpus, normalised (whitespace: data.whitespace), in a deterministic order."""
     bad = bad if bad is not None else BadRecords()
     kept = 0
     for path, name in resolve_inputs(corpus):
@@ -225,7 +228,7 @@ def read_documents(corpus: str, text_field: str = "text", id_field: str = "id",
         else:
             docs = read_jsonl(path, name, bad, text_field, id_field)
         for doc in docs:
-            doc.text = normalise(doc.text, bad)
+            doc.text = normalise(doc.text, bad, whitespace)
             if not doc.text.strip():
                 bad.repaired("empty_documents_skipped")
                 continue

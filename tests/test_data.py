@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from data.chunking import chunk_tokens, split_of
-from data.config import DataConfig
+from data.config import ConfigError, DataConfig
 from data.prepare import prepare, summary
 from data.readers import DataError
 from data.store import ChunkStore
@@ -310,3 +310,38 @@ def test_prepare_data_cli_on_the_shipped_corpus(tmp_path):
     assert (tmp_path / "data" / "config.yaml").exists()
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "already complete" in again.stdout
+
+
+def test_collapsed_whitespace_makes_reflowed_copies_tokenize_alike(tmp_path):
+    from data.prepare import config_fingerprint
+    from data.stage import fingerprint, output_settings
+
+    # The Jargon File and FOLDOC hold the same sentence wrapped and indented differently.
+    records = [{"id": "jargon", "text": "hacker ethic\n n.\n\n    1. The belief that information-sharing\n    is good.\n"},
+               {"id": "foldoc", "text": "hacker ethic\n\n   <philosophy> 1. The belief that\n   information-sharing is good."}]
+    corpus = str(write_jsonl(tmp_path / "c.jsonl", records))
+    kept = run(DataConfig(corpus=corpus, validation_fraction=0.0), tmp_path / "keep")
+    collapsed = run(DataConfig(corpus=corpus, validation_fraction=0.0, whitespace="collapse"), tmp_path / "collapse")
+    enc = get_tokenizer("gpt2")
+    sentence = enc.encode_ordinary(" 1. The belief that information-sharing is good.")
+
+    def tokens(out, source_id):
+        store = ChunkStore(tmp_path / out)
+        d = next(d for d in store.documents.to_pylist() if d["source_id"] == source_id)
+        train = store.split("train")
+        ids = np.arange(d["first_chunk"], d["first_chunk"] + d["num_chunks"])
+        return np.concatenate([t[:n] for t, n in zip(train.tokens(ids), train.lengths[ids])]).tolist(), d["num_bytes"]
+
+    def holds(seq, sub):
+        return any(seq[i:i + len(sub)] == sub for i in range(len(seq)))
+
+    assert not holds(tokens("keep", "jargon")[0], sentence) and not holds(tokens("keep", "foldoc")[0], sentence)
+    jargon, foldoc = tokens("collapse", "jargon"), tokens("collapse", "foldoc")
+    assert holds(jargon[0], sentence) and holds(foldoc[0], sentence)
+    assert jargon[1] == len("hacker ethic n. 1. The belief that information-sharing is good.")  # bytes as collapsed
+    assert kept["fingerprint"] != collapsed["fingerprint"]
+    # "keep" is what data was before the key existed: prepared directories keep their fingerprint.
+    settings = {k: v for k, v in output_settings(DataConfig()).items() if k != "whitespace"}
+    assert config_fingerprint(DataConfig()) == fingerprint({**settings, "manifest_version": 2})
+    with pytest.raises(ConfigError, match="data.whitespace"):
+        DataConfig(whitespace="strip")

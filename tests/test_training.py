@@ -386,3 +386,12 @@ def test_a_run_directory_refuses_another_run_but_not_other_stage_settings(tmp_pa
     with pytest.raises(TrainingError, match=r"retrieval\.k"):
         claim_run_dir(cfg("retrieval.k=1", "train.neighbours=1", "eval.neighbours=1", "eval.more_neighbours=0"),
                       tmp_path / "run", write=False)
+    # A run made before a key existed (its config.yaml lacks it) had the key's default: it is still
+    # this run; another value is not.
+    import yaml
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    del saved["data"]["whitespace"]
+    (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump(saved))
+    claim_run_dir(cfg(), tmp_path / "run", write=False)
+    with pytest.raises(TrainingError, match=r"data\.whitespace 'keep' → 'collapse'"):
+        claim_run_dir(cfg("data.whitespace=collapse"), tmp_path / "run", write=False)

@@ -17,6 +17,7 @@ exists, whether a run starts, resumes or is already complete.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -41,6 +42,17 @@ TRAINING_READS = {"retrieval": ("align_neighbours",)}
 EXTENDS_THE_RUN = ("train.steps",)
 
 
+def section_defaults(section) -> dict:
+    """A config section's default values, as a config.yaml holds them (tuples as lists)."""
+    out = {}
+    for f in dataclasses.fields(section):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = list(f.default) if isinstance(f.default, tuple) else f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    return out
+
+
 def run_identity(cfg, cfg_dict: dict) -> dict:
     """The parts of a resolved config (as a dict, e.g. a run's config.yaml) that decide a training
     run's trajectory: every key of data, model, train (and retrieval for RETRO) except each
@@ -50,7 +62,10 @@ def run_identity(cfg, cfg_dict: dict) -> dict:
     identity = {}
     for section in ["data", "model", "train"] + (["retrieval"] if retro else []):
         runtime = set(getattr(type(getattr(cfg, section)), "RUNTIME_KEYS", ())) - set(TRAINING_READS.get(section, ()))
-        identity.update({f"{section}.{key}": value for key, value in (cfg_dict.get(section) or {}).items()
+        # A key added to RetroPipe after the run was made counts as its default, which is what
+        # the run had: a run directory of an older version still resumes (or is still complete).
+        values = {**section_defaults(getattr(cfg, section)), **(cfg_dict.get(section) or {})}
+        identity.update({f"{section}.{key}": value for key, value in values.items()
                          if key not in runtime and f"{section}.{key}" not in EXTENDS_THE_RUN})
     return identity
 
