@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import sys
 from pathlib import Path
@@ -173,5 +174,16 @@ def train(cfg, store, neighbours, run_dir: Path, start, rank: int, progress: boo
     return 0
 
 
+def exit_now(code: int) -> None:
+    """Exit without the interpreter's teardown. gloo's worker threads can outlive the destroyed
+    process group, and tearing them down at finalization still aborted a finished rank now and
+    then ('terminate called without an active exception', exit code -6, seen under load). Every
+    file of the run is closed by the time main returns; the logs are flushed here."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

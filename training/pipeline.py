@@ -175,7 +175,7 @@ def init_distributed() -> None:
 def shutdown() -> None:
     """Take the process group down before the interpreter exits: left to interpreter teardown,
     gloo's threads occasionally aborted a finished rank ('terminate called without an active
-    exception', exit code -6)."""
+    exception', exit code -6). launch/train.py then leaves without that teardown (`exit_now`)."""
     if dist.is_initialized():
         dist.destroy_process_group()
 
