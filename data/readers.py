@@ -213,9 +213,10 @@ def read_saved_dataset(path: Path, name: str, bad: BadRecords, text_field: str, 
         yield from column_rows(ds.select_columns(wanted).iter(batch_size=1024), where, prefix, bad, text_field, id_field)
 
 
-def read_documents(corpus: str, text_field: str = "text", id_field: str = "id",
-                   bad: BadRecords | None = None, max_documents: int = 0, whitespace: str = "keep") -> Iterator[Document]:
-    """Every non-empty document of the corpus, normalised (whitespace: data.whitespace), in a deterministic order."""
+def read_documents(corpus: str, text_field: str = "text", id_field: str = "id", bad: BadRecords | None = None,
+                   max_documents: int = 0, whitespace: str = "keep") -> Iterator[Document]:
+    """Every non-empty document of the corpus, normalised (whitespace: data.whitespace), in a
+    deterministic order."""
     bad = bad if bad is not None else BadRecords()
     kept = 0
     for path, name in resolve_inputs(corpus):

@@ -317,8 +317,10 @@ def test_collapsed_whitespace_makes_reflowed_copies_tokenize_alike(tmp_path):
     from data.stage import fingerprint, output_settings
 
     # The Jargon File and FOLDOC hold the same sentence wrapped and indented differently.
-    records = [{"id": "jargon", "text": "hacker ethic\n n.\n\n    1. The belief that information-sharing\n    is good.\n"},
-               {"id": "foldoc", "text": "hacker ethic\n\n   <philosophy> 1. The belief that\n   information-sharing is good."}]
+    records = [{"id": "jargon", "text": "hacker ethic\n n.\n\n    1. The belief that information-sharing\n"
+                                        "    is good.\n"},
+               {"id": "foldoc", "text": "hacker ethic\n\n   <philosophy> 1. The belief that\n"
+                                        "   information-sharing is good."}]
     corpus = str(write_jsonl(tmp_path / "c.jsonl", records))
     kept = run(DataConfig(corpus=corpus, validation_fraction=0.0), tmp_path / "keep")
     collapsed = run(DataConfig(corpus=corpus, validation_fraction=0.0, whitespace="collapse"), tmp_path / "collapse")

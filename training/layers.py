@@ -18,9 +18,10 @@ float crossing a layer boundary is differentiated downstream: `embedded` feeds t
 `encoded` the CCAs, and the last CCA drops both.
 
 Tying: the two `wte` entries (the input lookup, of RETRO's neighbours too; the output head)
-share tie_key "embed" and one `TokenEmbedding` module; they differ by forward_fn(module, x). The DeepSpeed adapter (training/pipeline.py `layer_specs`) builds the
-first use as a `TiedLayerSpec` of a subclass whose own forward is that use (DeepSpeed saves a tied
-module only through a use without forward_fn) and the later uses as
+share tie_key "embed" and one `TokenEmbedding` module; they differ by forward_fn(module, x). The
+DeepSpeed adapter (training/pipeline.py `layer_specs`) builds the first use as a `TiedLayerSpec`
+of a subclass whose own forward is that use (DeepSpeed saves a tied module only through a use
+without forward_fn) and the later uses as
 `TiedLayerSpec(d.tie_key, d.cls, forward_fn=d.forward_fn)`; untied layers are `LayerSpec`s.
 `d.name` is the layer's prefix in the GPT2/Retro state dict ("wte", "wpe", "blocks.5", "ln_f").
 `d.cost` estimates forward GFLOPs per sequence of n_positions tokens (k = 2 neighbours of

@@ -46,8 +46,9 @@ class TokenEmbedding(nn.Embedding):
 
     It is the one tied module (DeepSpeed: `TiedLayerSpec('embed', TokenEmbedding, ...)`); its uses
     are the functions `embed_tokens` (RETRO: `retro.embed_inputs`, which looks up the neighbours
-    too) and `lm_logits`. They read `wte.weight` rather than calling `wte(...)`: in a pipeline the module's own forward is
-    replaced by its first use (training/pipeline.py), so a call would run the wrong use.
+    too) and `lm_logits`. They read `wte.weight` rather than calling `wte(...)`: in a pipeline the
+    module's own forward is replaced by its first use (training/pipeline.py), so a call would run
+    the wrong use.
     """
 
     def __init__(self, vocab_size: int, n_embd: int):
