@@ -13,7 +13,8 @@ the chunk, and two after) and pick the shift s in (-chunk_len, chunk_len) at whi
 of the query chunk equal the window's tokens at the same position; the neighbour becomes the
 2 · chunk_len tokens starting s after its chunk's start. Shifts matching fewer than `min_match`
 tokens leave the neighbour as retrieved (s = 0), so unrelated neighbours stay the paper's [N, F].
-Ties go to the smallest |s|. `retrieval.align_neighbours` switches it (default on).
+Ties go to the smallest |s|. `retrieval.align_neighbours` switches it (default on);
+`retrieval.aligned_only` drops the neighbours that do not line up (fewer than `min_match`).
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ import numpy as np
 MIN_MATCH_FRACTION = 0.25    # of chunk_len: 16 of 64 tokens; unrelated text matches ~3 by chance
 
 
-def best_shifts(query: np.ndarray, region: np.ndarray, min_match: int) -> np.ndarray:
+def best_shifts(query: np.ndarray, region: np.ndarray, min_match: int) -> tuple[np.ndarray, np.ndarray]:
     """query (n, m) tokens (-1 = none), region (n, 4m) tokens (-1 = none) whose [m, 2m) is the retrieved
-    chunk: (n,) int64 shift s in (-m, m) maximising #{t : query[t] == region[m + s + t] >= 0}, 0 below min_match."""
+    chunk: (n,) int64 shift s in (-m, m) maximising #{t : query[t] == region[m + s + t] >= 0}, 0 below
+    min_match; and (n,) bool: whether that best shift reached min_match (the neighbour lines up)."""
     n, m = query.shape
     shifts = np.arange(-(m - 1), m)                               # (S,)
     index = m + shifts[:, None] + np.arange(m)[None, :]           # (S, m) positions in region
@@ -36,7 +38,8 @@ def best_shifts(query: np.ndarray, region: np.ndarray, min_match: int) -> np.nda
         matches[start:start + 256] = ((window == q) & (q >= 0)).sum(-1)
     score = matches * (2 * m) - np.abs(shifts)[None, :]           # most matches, then smallest |s|
     best = np.argmax(score, axis=1)
-    return np.where(matches[np.arange(n), best] >= min_match, shifts[best], 0)
+    lined_up = matches[np.arange(n), best] >= min_match
+    return np.where(lined_up, shifts[best], 0), lined_up
 
 
 def aligned_windows(region: np.ndarray, shifts: np.ndarray, r: int) -> np.ndarray:

@@ -135,11 +135,13 @@ class Database:
         ids = np.asarray(ids, dtype=np.int64)
         return np.where((ids >= 0) & (self.positions[np.maximum(ids, 0)] > 0), ids - 1, -1)
 
-    def neighbour_tokens(self, ids: np.ndarray, query: np.ndarray | None = None) -> np.ndarray:
+    def neighbour_tokens(self, ids: np.ndarray, query: np.ndarray | None = None,
+                         aligned_only: bool = False) -> np.ndarray:
         """Chunks ids (..., k), -1 = none, each followed by its continuation: (..., k, r) int64, -1 = missing.
 
         With `query` (..., chunk_len) int64 tokens (-1 = none) of the chunks the neighbours were retrieved
-        for, each window is aligned to its query chunk (data/alignment.py).
+        for, each window is aligned to its query chunk (data/alignment.py); with `aligned_only` too, a
+        neighbour that does not line up is missing (all -1).
         """
         ids = np.asarray(ids, dtype=np.int64)
         nxt = self.next_chunks(ids)
@@ -150,6 +152,9 @@ class Database:
         region = self.chunk_tokens(around).reshape(-1, 4 * m)                                     # (.. k, 4m)
         k = ids.shape[-1]
         q = np.repeat(np.asarray(query, dtype=np.int64).reshape(-1, m), k, axis=0)                # (.. k, m)
-        shifts = best_shifts(q, region, min_match=int(MIN_MATCH_FRACTION * m))
+        shifts, lined_up = best_shifts(q, region, min_match=int(MIN_MATCH_FRACTION * m))
         shifts[ids.reshape(-1) < 0] = 0
-        return aligned_windows(region, shifts, self.r).reshape(*ids.shape, self.r)
+        windows = aligned_windows(region, shifts, self.r)                                         # (.. k, r)
+        if aligned_only:
+            windows[~lined_up] = -1
+        return windows.reshape(*ids.shape, self.r)

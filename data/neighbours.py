@@ -43,9 +43,10 @@ def check_neighbour_count(k: int | None, stored: int, where, asked: str = "neigh
 
 class NeighbourStore:
     def __init__(self, neighbours_dir: str | Path, chunk_store: ChunkStore, chunks_per_seq: int | None = None,
-                 align: bool = False):
+                 align: bool = False, aligned_only: bool = False):
         self.dir = Path(neighbours_dir)
         self.align = align  # retrieval.align_neighbours: windows aligned to their query chunk
+        self.aligned_only = align and aligned_only  # retrieval.aligned_only: the others dropped
         self.chunk_store = chunk_store
         path = self.dir / "manifest.json"
         self.manifest = read_json(path, rerun=f"run: {REBUILD}")
@@ -71,9 +72,9 @@ class NeighbourStore:
 
     @classmethod
     def of(cls, retrieval_dir: str | Path, chunk_store: ChunkStore, chunks_per_seq: int | None = None,
-           align: bool = False) -> "NeighbourStore":
+           align: bool = False, aligned_only: bool = False) -> "NeighbourStore":
         """The neighbours of the training chunk store, built by launch/build_index.py."""
-        return cls(Path(retrieval_dir) / "neighbours", chunk_store, chunks_per_seq, align)
+        return cls(Path(retrieval_dir) / "neighbours", chunk_store, chunks_per_seq, align, aligned_only)
 
     def ids(self, split: str) -> np.ndarray:
         """(num_chunks, k) int64 memory-mapped neighbour ids of every chunk of the split."""
@@ -95,6 +96,18 @@ class NeighbourStore:
         chunk_ids = np.asarray(chunk_ids, dtype=np.int64)
         return np.asarray(self.ids(split)[chunk_ids.reshape(-1), :k]).reshape(*chunk_ids.shape, k)
 
+    def own_tokens(self, chunk_ids: np.ndarray) -> np.ndarray:
+        """Training chunks chunk_ids (...) as their own neighbour, with continuation: (..., r) int64.
+
+        Part 0 of the database is this chunk store's training split, so a training chunk's id is
+        its database id. Used only for train.self_neighbours, never at evaluation.
+        """
+        if self.database.parts[0].store.fingerprint != self.chunk_store.fingerprint:
+            raise DataError(f"{self.database.root}: part 0 is not the training split of {self.chunk_store.root}; "
+                            f"rebuild it: {REBUILD}")
+        ids = np.asarray(chunk_ids, dtype=np.int64)
+        return self.database.neighbour_tokens(ids[..., None])[..., 0, :]
+
     def neighbour_tokens(self, split: str, chunk_ids: np.ndarray, k: int | None = None) -> np.ndarray:
         """Neighbour + continuation tokens of chunk_ids (...): (..., k, r) int64, -1 = missing."""
         ids = self.neighbour_ids(split, chunk_ids, k)
@@ -104,4 +117,4 @@ class NeighbourStore:
         flat = np.asarray(chunk_ids, dtype=np.int64).reshape(-1)
         real = np.arange(chunks.chunk_len)[None, :] < chunks.lengths[flat][:, None]
         query = np.where(real, chunks.tokens(flat).astype(np.int64), -1)        # (.., m), -1 at padding
-        return self.database.neighbour_tokens(ids, query.reshape(*np.shape(chunk_ids), -1))
+        return self.database.neighbour_tokens(ids, query.reshape(*np.shape(chunk_ids), -1), self.aligned_only)

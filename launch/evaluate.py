@@ -63,7 +63,8 @@ def neighbour_sources(cfg, store, split: str, out: Path, database_dir: Path, dev
     own = store.root.resolve() == cfg.data_dir.resolve() and database_dir.resolve() == cfg.retrieval_dir.resolve()
     retriever = None
     if own:  # the training data against its own database: the neighbours the build computed
-        neighbours = NeighbourStore.of(cfg.retrieval_dir, store, align=cfg.retrieval.align_neighbours)
+        neighbours = NeighbourStore.of(cfg.retrieval_dir, store, align=cfg.retrieval.align_neighbours,
+                                       aligned_only=cfg.retrieval.aligned_only)
     else:
         retriever = Retriever(database_dir, cfg.retrieval, device=device)
         neighbours = split_neighbours(retriever, store, split, out / "neighbours" / _tag(str(database_dir)),
@@ -117,6 +118,7 @@ def evaluate(cfg, checkpoints: list[Path], split: str, out: Path, corpus: str | 
                                      for (name, _), p in zip(models, checkpoints)],
                           "chunk_store": store.fingerprint, "split": split, "eval": vars(cfg.eval),
                           "align_neighbours": cfg.retrieval.align_neighbours,
+                          "aligned_only": cfg.retrieval.aligned_only,
                           "neighbours": neighbours.manifest["fingerprint"] if neighbours else None,
                           "curve": [n.manifest["fingerprint"] for _, _, n in curve]})
     done = read_json(out / "report.json")

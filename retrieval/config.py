@@ -49,6 +49,12 @@ class RetrievalConfig:
     # Slide each neighbour window along its document to line up with its query chunk when it is
     # read for training, evaluation and generation (data/alignment.py); false = the paper's [N, F].
     align_neighbours: bool = True
+    # Read only the neighbours that line up with their query chunk (at least a quarter of its
+    # tokens in place at the best shift, data/alignment.py); the others are missing. RETRO then
+    # reads near-copies and nothing else: a small model gains nothing measurable from topical
+    # neighbours and is misled by them once it has learned to copy (docs/results.md). Needs
+    # align_neighbours. Read, like it, by training, evaluation and generation.
+    aligned_only: bool = False
     # Queries sampled for the recall@k check of the index against exact search.
     recall_queries: int = 200
     seed: int = 1234
@@ -66,5 +72,7 @@ class RetrievalConfig:
         require(self.ef_search >= 1, "retrieval.ef_search", "must be >= 1")
         require(self.train_sample >= 0, "retrieval.train_sample", "must be >= 0")
         require(self.recall_queries >= 0, "retrieval.recall_queries", "must be >= 0")
+        require(self.align_neighbours or not self.aligned_only, "retrieval.aligned_only",
+                "keeps the neighbours that line up, so it needs retrieval.align_neighbours: true")
         require(all(isinstance(c, str) and c for c in self.corpora), "retrieval.corpora",
                 "must be a list of files, directories or globs")

@@ -103,4 +103,4 @@ def split_neighbours(retriever: Retriever, store: ChunkStore, split: str, out_di
     query_neighbours(retriever.index_for(allowed), query_emb, store, retriever.database, out_dir, inputs, retriever.k,
                      cfg.candidates, None, retriever.vectors.rows if retriever.rerank else None, splits=(split,),
                      progress=progress, allowed=allowed)
-    return NeighbourStore(out_dir, store, align=cfg.align_neighbours)
+    return NeighbourStore(out_dir, store, align=cfg.align_neighbours, aligned_only=cfg.aligned_only)

@@ -136,7 +136,7 @@ class Retriever:
     def neighbour_tokens(self, ids: np.ndarray, query: np.ndarray | None = None) -> np.ndarray:
         """Tokens of neighbours ids (..., k) and their continuations: (..., k, r) int64, -1 = missing;
         aligned to query chunks (..., chunk_len) when given and retrieval.align_neighbours is on."""
-        return self.database.neighbour_tokens(ids, query if self.cfg.align_neighbours else None)
+        return self.database.neighbour_tokens(ids, query if self.cfg.align_neighbours else None, self.cfg.aligned_only)
 
     def query(self, texts: list[str], k: int, query: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(ids (q, k), tokens (q, k, r)) for each text; query (q, chunk_len): its tokens, for alignment."""

@@ -56,6 +56,10 @@ def test_impossible_values_say_why(tmp_path):
         load_config(None, ["data.on_bad_record=ignore"])
     with pytest.raises(ConfigError, match="data.validation_fraction"):
         load_config(None, ["data.validation_fraction=1.5"])
+    with pytest.raises(ConfigError, match=r"train.self_neighbours.*\[0, 1\]"):
+        load_config(None, ["train.self_neighbours=1.5"])
+    with pytest.raises(ConfigError, match=r"retrieval.aligned_only.*align_neighbours"):
+        load_config(None, ["retrieval.aligned_only=true", "retrieval.align_neighbours=false"])
 
 
 def test_resolved_config_is_written(tmp_path):

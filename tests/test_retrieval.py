@@ -222,6 +222,37 @@ def test_neighbour_store_tokens(built):
         reader.neighbour_ids("train", chunk_ids, k=3)
 
 
+def test_self_neighbour_lessons_put_the_chunk_and_its_continuation_first(built):
+    from training.data import SequenceBatches, lesson_chunks
+
+    root, store, _ = built
+    reader = NeighbourStore.of(root / "retrieval", store, chunks_per_seq=SEQ_CHUNKS)
+    train = store.split("train")
+    seq = np.arange(train.num_sequences(SEQ_CHUNKS))
+    plain = SequenceBatches(store, "train", SEQ_CHUNKS * CHUNK_LEN, reader, k=2).batch(seq)
+    taught = SequenceBatches(store, "train", SEQ_CHUNKS * CHUNK_LEN, reader, k=2, self_neighbours=0.5, seed=3)
+    got = taught.batch(seq)
+    chunk_ids = train.sequence_chunk_ids(seq, SEQ_CHUNKS)                         # (b, l)
+    lesson = lesson_chunks(chunk_ids, 0.5, 3)
+    assert 0.3 < lesson.mean() < 0.7 and not np.array_equal(lesson, lesson_chunks(chunk_ids, 0.5, 4))
+    np.testing.assert_array_equal(got["tokens"], plain["tokens"])
+    np.testing.assert_array_equal(got["neighbours"][~lesson], plain["neighbours"][~lesson])
+    np.testing.assert_array_equal(got["neighbours"][lesson, 1], plain["neighbours"][lesson, 1])
+    # A lesson's first neighbour is the chunk itself, then the next chunk of its document.
+    cont = train.continuation_ids()
+    for b, l in zip(*np.nonzero(lesson)):
+        c, first = chunk_ids[b, l], got["neighbours"][b, l, 0]
+        np.testing.assert_array_equal(first[:train.lengths[c]], train.tokens([c])[0, :train.lengths[c]])
+        if cont[c] >= 0:
+            np.testing.assert_array_equal(first[CHUNK_LEN:CHUNK_LEN + train.lengths[cont[c]]],
+                                          train.tokens([cont[c]])[0, :train.lengths[cont[c]]])
+        else:
+            assert (first[CHUNK_LEN:] == -1).all()
+    assert (got["neighbours"][lesson, 0] != plain["neighbours"][lesson, 0]).any()
+    # Resuming repeats the lessons: the same (seed, chunk) always gets the same neighbours.
+    np.testing.assert_array_equal(taught.batch(seq)["neighbours"], got["neighbours"])
+
+
 def test_neighbour_store_marks_missing_neighbours(tmp_path, built):
     root, store, _ = built
     shutil.copytree(root / "retrieval" / "neighbours", tmp_path / "neighbours")
@@ -382,6 +413,10 @@ def test_aligned_neighbours_continue_the_query_text(tmp_path, shift):
     assert (aligned[0, 1] == -1).all()
     unrelated = np.full(m, 50000, dtype=np.int64)                                      # matches nothing: as retrieved
     np.testing.assert_array_equal(db.neighbour_tokens(np.array([[n]]), unrelated[None]), db.neighbour_tokens(np.array([[n]])))
+    # retrieval.aligned_only: the neighbour that lines up stays, the unrelated one is dropped.
+    only = db.neighbour_tokens(np.array([[n], [n]]), np.stack([query, unrelated]), aligned_only=True)  # (2, 1, r)
+    np.testing.assert_array_equal(only[0, 0], aligned[0, 0])
+    assert (only[1, 0] == -1).all()
 
 
 def test_best_shift_needs_enough_matching_tokens():
@@ -389,7 +424,10 @@ def test_best_shift_needs_enough_matching_tokens():
     m = 8
     region = np.arange(4 * m)[None]                                   # (1, 4m)
     query = np.arange(m + 2, 2 * m + 2)[None].copy()                  # region's text 2 tokens late
-    assert best_shifts(query, region, min_match=m)[0] == 2
+    shifts, lined_up = best_shifts(query, region, min_match=m)
+    assert shifts[0] == 2 and lined_up[0]
     query[0, 3:] = -1                                                 # only 3 tokens left to match
-    assert best_shifts(query, region, min_match=4)[0] == 0
-    assert best_shifts(query, region, min_match=3)[0] == 2
+    shifts, lined_up = best_shifts(query, region, min_match=4)
+    assert shifts[0] == 0 and not lined_up[0]
+    shifts, lined_up = best_shifts(query, region, min_match=3)
+    assert shifts[0] == 2 and lined_up[0]

@@ -151,6 +151,10 @@ class TrainConfig:
     eval_batches: int = 8
     # Neighbours per chunk fed to RETRO during training (<= retrieval.k).
     neighbours: int = 2
+    # Share of training chunks whose first neighbour is the chunk itself and its continuation
+    # (RETRO only; never at evaluation): lessons in copying for text that offers few near-
+    # duplicates, so the CCA learns to read a neighbour that holds the text (docs/results.md).
+    self_neighbours: float = 0.0
     # Start from this GPT-2 checkpoint (ours or a Hugging Face directory); with
     # model.freeze_trunk it is a RETRO-fit: only chunked cross-attention and encoder train.
     init_from: str = ""
@@ -177,6 +181,7 @@ class TrainConfig:
         require(self.precision in ("auto", "bf16", "fp16", "fp32"), "train.precision",
                 f"must be 'auto', 'bf16', 'fp16' or 'fp32', got {self.precision!r}")
         require(0 < self.lr and 0 <= self.min_lr <= self.lr, "train.min_lr", "need 0 <= min_lr <= lr, lr > 0")
+        require(0.0 <= self.self_neighbours <= 1.0, "train.self_neighbours", f"must lie in [0, 1], got {self.self_neighbours}")
         require(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
         require(self.eval_every >= 0 and self.eval_batches >= 1, "train.eval_every", "eval_every >= 0, eval_batches >= 1")
         require(self.activation_checkpoint_interval >= 0, "train.activation_checkpoint_interval", "must be >= 0")

@@ -7,6 +7,10 @@ docs/architecture.md). `SequenceBatches.batch(seq_ids)` gives the model's inputs
     labels     (b, n)        int64   the next token; -100 where the next token is padding
     neighbours (b, l, k, r)  int64   RETRO only: neighbour + continuation tokens, -1 = missing
 
+With `self_neighbours` = p > 0 (train.self_neighbours, training split only), a share p of the
+chunks get themselves and their continuation as first neighbour: lessons in copying, which
+natural text rarely gives (docs/results.md). Which chunks is a pure function of (seed, chunk id).
+
 The order is a seeded permutation per epoch; micro-batch j of the whole run is a pure function
 of (seed, j), so a resumed run reads exactly what the uninterrupted one would have.
 """
@@ -24,7 +28,8 @@ IGNORE_INDEX = -100
 
 
 class SequenceBatches:
-    def __init__(self, store: ChunkStore, split: str, seq_len: int, neighbours=None, k: int = 0):
+    def __init__(self, store: ChunkStore, split: str, seq_len: int, neighbours=None, k: int = 0,
+                 self_neighbours: float = 0.0, seed: int = 0):
         self.store, self.split_name = store, split
         self.chunks = store.split(split)
         self.chunk_len = store.chunk_len
@@ -33,6 +38,7 @@ class SequenceBatches:
         self.chunks_per_seq = seq_len // self.chunk_len
         self.seq_len = seq_len
         self.neighbours, self.k = neighbours, k  # a data.neighbours.NeighbourStore, or None
+        self.self_neighbours, self.seed = self_neighbours, seed
 
     def __len__(self) -> int:
         return self.chunks.num_sequences(self.chunks_per_seq)
@@ -52,8 +58,22 @@ class SequenceBatches:
         labels[~label_real] = IGNORE_INDEX
         out = {"tokens": tokens, "labels": labels}
         if self.neighbours is not None:
-            out["neighbours"] = self.neighbours.neighbour_tokens(self.split_name, ids, k=self.k)  # (b, l, k, r)
+            nbrs = self.neighbours.neighbour_tokens(self.split_name, ids, k=self.k)  # (b, l, k, r)
+            if self.self_neighbours > 0:
+                lesson = lesson_chunks(ids, self.self_neighbours, self.seed)         # (b, l)
+                nbrs[lesson, 0] = self.neighbours.own_tokens(ids[lesson])
+            out["neighbours"] = nbrs
         return out
+
+
+def lesson_chunks(chunk_ids: np.ndarray, share: float, seed: int) -> np.ndarray:
+    """(...) bool: about `share` of chunk_ids, drawn by a hash of (seed, chunk id) so resuming repeats it."""
+    x = np.asarray(chunk_ids, dtype=np.int64).astype(np.uint64) + np.uint64(seed * 0x9E3779B97F4A7C15 % 2**64)
+    # splitmix64's finaliser: neighbouring ids get unrelated draws.
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    x = x ^ (x >> np.uint64(31))
+    return (x >> np.uint64(11)).astype(np.float64) / 2.0**53 < share
 
 
 @functools.lru_cache(maxsize=4)
