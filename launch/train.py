@@ -74,7 +74,7 @@ def preflight(cfg, world_size: int):
     if cfg.model.kind == "retro":
         from data.neighbours import NeighbourStore
         neighbours = NeighbourStore.of(cfg.retrieval_dir, store, chunks_per_seq=t.seq_len // store.chunk_len,
-                                        align=cfg.retrieval.align_neighbours, aligned_only=cfg.retrieval.aligned_only)
+                                        align=cfg.retrieval.align_neighbours)
     return store, neighbours, parts
 
 

@@ -49,11 +49,11 @@ class RetrievalConfig:
     # Slide each neighbour window along its document to line up with its query chunk when it is
     # read for training, evaluation and generation (data/alignment.py); false = the paper's [N, F].
     align_neighbours: bool = True
-    # Read only the neighbours that line up with their query chunk (at least a quarter of its
-    # tokens in place at the best shift, data/alignment.py); the others are missing. RETRO then
-    # reads near-copies and nothing else: a small model gains nothing measurable from topical
-    # neighbours and is misled by them once it has learned to copy (docs/results.md). Needs
-    # align_neighbours. Read, like it, by training, evaluation and generation.
+    # Evaluation and generation read only the neighbours that line up with their query chunk (at
+    # least a quarter of its tokens in place at the best shift, data/alignment.py); the others are
+    # missing. A model that has learned to copy copies from topical neighbours too, and a small
+    # one gains nothing measurable from them (docs/results.md). Training always reads them all
+    # (measured: filtered there too, the trunk came out worse). Needs align_neighbours.
     aligned_only: bool = False
     # Queries sampled for the recall@k check of the index against exact search.
     recall_queries: int = 200

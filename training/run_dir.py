@@ -37,7 +37,7 @@ class TrainingError(RuntimeError):
 
 # Keys of other sections that training reads although they do not change those sections' files
 # (alignment is applied when neighbours are read): they do change the run.
-TRAINING_READS = {"retrieval": ("align_neighbours", "aligned_only")}
+TRAINING_READS = {"retrieval": ("align_neighbours",)}
 # A run with more steps is the same run extended (training/start.py), not another run.
 EXTENDS_THE_RUN = ("train.steps",)
 
