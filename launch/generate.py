@@ -167,6 +167,9 @@ def print_retrievals(r: Result, out) -> None:
         print(f"chunk {u} (tokens {u * m}-{(u + 1) * m - 1}{partial}), retrieved at length {event.seq_len}: "
               f"{show(r.encoding, query, 72)}")
         for j, (where, row) in enumerate(zip(r.names[u, tuple(query)], event.neighbours)):
+            if where != "none" and (np.asarray(row) < 0).all():  # found, then not read
+                print(f"  {j + 1}. {where}: not read, it does not line up with the chunk (retrieval.aligned_only)")
+                continue
             print(f"  {j + 1}. {where}: {show(r.encoding, row[:m], 48)} → {show(r.encoding, row[m:], 48)}")
 
 

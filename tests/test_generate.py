@@ -313,6 +313,19 @@ def test_cli_retro_end_to_end_shows_neighbours(workdir, capsys):
     assert cli(workdir, *args, capsys=capsys)[1] == out        # same seed, same output
 
 
+def test_cli_says_which_neighbours_it_did_not_read(workdir, capsys):
+    # retrieval.aligned_only (configs/tiny.yaml): a neighbour that does not line up with the chunk
+    # is found, but RETRO does not read it; the listing says so instead of showing its text.
+    args = ("--checkpoint", str(workdir / "runs" / "retro"), "--prompt", "zebra xylophone quantum",
+            "--max-new-tokens", "2", "--seed", "3", "--show-neighbours")
+    code, out, err = cli(workdir, *args, capsys=capsys)
+    assert code == 0, err
+    shown = out.partition("\n--- neighbours")[2]
+    assert "  1. train chunk " in shown and "not read, it does not line up" in shown
+    code, out, err = cli(workdir, *args, "--set", "retrieval.aligned_only=false", capsys=capsys)
+    assert code == 0 and "not read" not in out and "  1. train chunk " in out, err
+
+
 def test_cli_gpt2_needs_no_database(workdir, tmp_path, capsys):
     code, out, err = cli(tmp_path, "--checkpoint", str(workdir / "runs" / "gpt2" / "model"), "--prompt", "apples",
                          "--max-new-tokens", "5", capsys=capsys)

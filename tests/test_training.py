@@ -380,7 +380,8 @@ def test_a_run_directory_refuses_another_run_but_not_other_stage_settings(tmp_pa
                   write=False)
     with pytest.raises(TrainingError, match=r"retrieval\.align_neighbours True → False"):
         # Not a key that changes the retrieval files, but one that changes what training reads.
-        claim_run_dir(cfg("retrieval.align_neighbours=false"), tmp_path / "run", write=False)
+        claim_run_dir(cfg("retrieval.align_neighbours=false", "retrieval.aligned_only=false"), tmp_path / "run",
+                      write=False)
     with pytest.raises(TrainingError, match=r"train\.lr 0\.02 → 0\.01"):
         claim_run_dir(cfg("train.lr=1e-2"), tmp_path / "run", write=False)
     with pytest.raises(TrainingError, match=r"retrieval\.k"):
@@ -392,6 +393,6 @@ def test_a_run_directory_refuses_another_run_but_not_other_stage_settings(tmp_pa
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     del saved["data"]["whitespace"]
     (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump(saved))
-    claim_run_dir(cfg(), tmp_path / "run", write=False)
+    claim_run_dir(cfg("data.whitespace=keep"), tmp_path / "run", write=False)
     with pytest.raises(TrainingError, match=r"data\.whitespace 'keep' → 'collapse'"):
-        claim_run_dir(cfg("data.whitespace=collapse"), tmp_path / "run", write=False)
+        claim_run_dir(cfg(), tmp_path / "run", write=False)      # configs/tiny.yaml collapses
