@@ -137,10 +137,13 @@ def run(args) -> Result:
     return Result(prompts, outs, names, encoding, k, model.cfg.chunk_len)
 
 
+NO_NEIGHBOUR = "none"  # the name of a missing neighbour (the database holds fewer than k)
+
+
 def chunk_name(database, db_id: int) -> str:
     """A database id as its part and chunk: "train chunk 12" (the training split), "<corpus> chunk 3"."""
     if db_id < 0:
-        return "none"
+        return NO_NEIGHBOUR
     part, local = database.locate(np.array([db_id]))
     return f"{database.parts[int(part[0])].name} chunk {int(local[0])}"
 
@@ -167,7 +170,7 @@ def print_retrievals(r: Result, out) -> None:
         print(f"chunk {u} (tokens {u * m}-{(u + 1) * m - 1}{partial}), retrieved at length {event.seq_len}: "
               f"{show(r.encoding, query, 72)}")
         for j, (where, row) in enumerate(zip(r.names[u, tuple(query)], event.neighbours)):
-            if where != "none" and (np.asarray(row) < 0).all():  # found, then not read
+            if where != NO_NEIGHBOUR and (np.asarray(row) < 0).all():  # found, then not read
                 print(f"  {j + 1}. {where}: not read, it does not line up with the chunk (retrieval.aligned_only)")
                 continue
             print(f"  {j + 1}. {where}: {show(r.encoding, row[:m], 48)} → {show(r.encoding, row[m:], 48)}")
