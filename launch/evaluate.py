@@ -23,6 +23,7 @@ import re
 import sys
 from pathlib import Path
 
+from data.alignment import ALIGNMENT_RULE
 from data.config import ConfigError
 from data.readers import DataError
 from launch.cli import config_from_args, entry_parser, quiet_engines, resolve_device
@@ -117,7 +118,7 @@ def evaluate(cfg, checkpoints: list[Path], split: str, out: Path, corpus: str | 
                                       sha256_file(model_dir_of(p) / "config.json"))
                                      for (name, _), p in zip(models, checkpoints)],
                           "chunk_store": store.fingerprint, "split": split, "eval": vars(cfg.eval),
-                          "align_neighbours": cfg.retrieval.align_neighbours,
+                          "align_neighbours": cfg.retrieval.align_neighbours and ALIGNMENT_RULE,
                           "aligned_only": cfg.retrieval.aligned_only,
                           "neighbours": neighbours.manifest["fingerprint"] if neighbours else None,
                           "curve": [n.manifest["fingerprint"] for _, _, n in curve]})

@@ -431,3 +431,18 @@ def test_best_shift_needs_enough_matching_tokens():
     assert shifts[0] == 0 and not lined_up[0]
     shifts, lined_up = best_shifts(query, region, min_match=3)
     assert shifts[0] == 2 and lined_up[0]
+
+
+def test_best_shift_lines_up_the_end_of_the_query():
+    """A phrase inserted in the middle: most tokens match at one shift, the query's end at another.
+    The end decides, because the continuation is read right after it."""
+    from data.alignment import best_shifts
+    m = 16
+    region = np.arange(4 * m)[None]                                   # (1, 4m): distinct tokens
+    t = np.arange(m)
+    query = np.where(t < 10, m + t, m + 3 + t)[None]                  # 10 tokens at shift 0, the last 6 at 3
+    shifts, lined_up = best_shifts(query, region, min_match=4)
+    assert shifts[0] == 3 and lined_up[0]
+    query[0, -4:] = -1                                                # the end is padding: most matches decide
+    shifts, lined_up = best_shifts(query, region, min_match=4)
+    assert shifts[0] == 0 and lined_up[0]
