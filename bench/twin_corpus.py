@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             records.append({"id": doc.source_id, "text": doc.text})
         records.append({"id": f"{doc.source_id}#twin", "text": edited(doc.text, args.drop, rng, args.reflow)})
     rng.shuffle(records)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_name(args.out.name + ".tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
     tmp.replace(args.out)

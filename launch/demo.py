@@ -2,9 +2,18 @@
 
     python launch/demo.py [--config configs/tiny.yaml] [--set key=value ...] [--nproc 2]
 
-prepare data → build the retrieval database (Ray) → train the GPT-2 baseline and its RETRO twin
-(DeepSpeed, `--nproc` processes, `train.pipeline_stages` stages) → evaluate both (bits per byte,
-RETRO on/off, leakage) → generate a sample from each.
+write a second edition of the corpus → prepare data → build the retrieval database (Ray): the
+training split plus the second edition → train the GPT-2 baseline and its RETRO twin (DeepSpeed,
+`--nproc` processes, `train.pipeline_stages` stages) → evaluate both (bits per byte, RETRO
+on/off/shuffled, leakage, the database-size curve) → generate a sample from each.
+
+The second edition stands for what a real retrieval database holds and a training split does
+not: other versions of the evaluated text. Every document of the corpus reappears there with 15%
+of its sentences dropped (bench/twin_corpus.py --edited-only), the held-out ones too, so RETRO can
+read a validation document's neighbours where the baseline can only guess. The report says how
+much of the gain that is (α buckets, RETRO §2.6) and shows it grow with the database (the curve:
+the training split alone, + half the edition, + all of it). The sample prompt is the opening of a
+held-out entry (kluge), so the RETRO sample shows what it read.
 
 Each stage is the command a user would type, run as a subprocess, so the demo shows the real
 entry points; each skips work that is already complete, so rerunning the demo is cheap.
@@ -22,10 +31,25 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-PROMPT = "The hacker ethic"
+# The opening of the Jargon File's "kluge" entry, in the validation split of the embedded corpus
+# (data.seed 1234): 72 tokens, one whole chunk to retrieve with.
+PROMPT = ("kluge /klooj/ [from the German ‘klug’, clever; poss. related to Polish & Russian ‘klucz’ (a key, "
+          "a hint, a main point)] 1. n. A Rube Goldberg (or Heath Robinson) device, whether in hardware or "
+          "software. 2. n. A clever")
+EDITION_SEED = 7
 
 
-def stages(config: str, overrides: list[str], nproc: int, workdir: Path) -> list[tuple[str, list[str]]]:
+def demo_overrides(workdir: Path) -> list[str]:
+    """The demo's settings over the config: the second edition in the database, the database-size
+    curve in the report."""
+    return [f"retrieval.corpora=[{edition_path(workdir)}]", "eval.database_curve=[0,0.5,1]"]
+
+
+def edition_path(workdir: Path) -> Path:
+    return workdir / "corpora" / "second_edition.jsonl"
+
+
+def stages(config: str, corpus: str, overrides: list[str], nproc: int, workdir: Path) -> list[tuple[str, list[str]]]:
     from launch.cli import engines_verbose
 
     sets = [a for o in overrides for a in ("--set", o)]
@@ -43,7 +67,10 @@ def stages(config: str, overrides: list[str], nproc: int, workdir: Path) -> list
         return [py, "launch/generate.py", "--config", config, *sets, "--checkpoint", str(runs / kind),
                 "--prompt", PROMPT, "--max-new-tokens", "96", "--seed", "0", "--show-neighbours"]
 
+    edition = edition_path(workdir)
     return [
+        ("write a second edition of the corpus", [py, "bench/twin_corpus.py", "--corpus", corpus, "--edited-only",
+                                                  "--seed", str(EDITION_SEED), "--out", str(edition)]),
         ("prepare data", [py, "launch/prepare_data.py", "--config", config, *sets]),
         ("build the retrieval database", [py, "launch/build_index.py", "--config", config, *sets]),
         ("train the GPT-2 baseline", train("gpt2")),
@@ -74,14 +101,15 @@ def main(argv: list[str] | None = None) -> int:
               f"({cfg.train.pipeline_stages})", file=sys.stderr)
         return 2
     workdir = Path(cfg.workdir).resolve()
-    overrides = [*args.overrides, f"workdir={workdir}"]  # stages agree on one absolute workdir
+    # The user's --set win over the demo's; the stages agree on one absolute workdir.
+    overrides = [*demo_overrides(workdir), *args.overrides, f"workdir={workdir}"]
     config = str(Path(args.config).resolve())
     report = load_config(config, overrides).reports_dir / "report.md"
     # Not offline mode: the defaults need no network (bundled files), and a hub name given with
     # --set is fetched as the user asked.
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"}
     began = time.perf_counter()
-    for name, cmd in stages(config, overrides, args.nproc, workdir):
+    for name, cmd in stages(config, str(cfg.data.corpus), overrides, args.nproc, workdir):
         print(f"\n=== {name}: {' '.join(Path(c).name if i == 0 else c for i, c in enumerate(cmd))}", flush=True)
         start = time.perf_counter()
         if subprocess.run(cmd, cwd=ROOT, env=env).returncode != 0:

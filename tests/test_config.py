@@ -99,10 +99,26 @@ def test_demo_quiets_the_deepspeed_launcher_unless_verbose(monkeypatch, tmp_path
     from launch.demo import stages
 
     def train_cmd():
-        return dict(stages("configs/tiny.yaml", [], 2, tmp_path))["train RETRO"]
+        return dict(stages("configs/tiny.yaml", "corpus/jargon_devil.jsonl.gz", [], 2, tmp_path))["train RETRO"]
 
     monkeypatch.delenv("RETROPIPE_VERBOSE", raising=False)
     cmd = train_cmd()
     assert cmd[cmd.index("--log_level") + 1] == "warning" and cmd.index("--log_level") < cmd.index("launch/train.py")
     monkeypatch.setenv("RETROPIPE_VERBOSE", "1")
     assert "--log_level" not in train_cmd()
+
+
+def test_demo_database_holds_the_second_edition_it_writes_first(tmp_path):
+    """The demo writes a second edition of its corpus before anything else, puts it in the database
+    and asks for the database-size curve; the user's --set still win."""
+    from launch.config import load_config
+    from launch.demo import demo_overrides, edition_path, stages
+
+    plan = stages("configs/tiny.yaml", "corpus/jargon_devil.jsonl.gz", [], 2, tmp_path)
+    assert plan[0][0] == "write a second edition of the corpus"
+    assert plan[0][1][-1] == str(edition_path(tmp_path)) and "--edited-only" in plan[0][1]
+    cfg = load_config("configs/tiny.yaml", [*demo_overrides(tmp_path), f"workdir={tmp_path}"])
+    assert cfg.retrieval.corpora == [str(edition_path(tmp_path))]
+    assert cfg.eval.database_curve == [0, 0.5, 1]
+    mine = load_config("configs/tiny.yaml", [*demo_overrides(tmp_path), "eval.database_curve=[]"])
+    assert mine.eval.database_curve == []
