@@ -406,4 +406,5 @@ def test_a_run_directory_refuses_another_run_but_not_other_stage_settings(tmp_pa
     with pytest.raises(TrainingError, match=r"another rule .*alignment_rule 'most-matches' → 'end-first/8'"):
         claim_run_dir(cfg(), tmp_path / "run2", write=False)
     reads.unlink()
-    claim_run_dir(cfg(), tmp_path / "run2", write=False)
+    claim_run_dir(cfg(), tmp_path / "run2", write=True)
+    assert not reads.exists()  # resuming an older run does not label it with this version's rule

@@ -103,7 +103,8 @@ def claim_run_dir(cfg, run_dir: Path, write: bool) -> None:
                                 + "); set train.name or workdir to start another run")
     if write:
         run_dir.mkdir(parents=True, exist_ok=True)
-        write_json(run_dir / READS, training_reads(cfg))
+        if not path.exists():  # a new run reads what this version reads; an older one is not relabelled
+            write_json(run_dir / READS, training_reads(cfg))
         atomic_write_text(path, mine)
 
 
