@@ -30,7 +30,8 @@ import numpy as np
 MIN_MATCH_FRACTION = 0.25    # of chunk_len: 16 of 64 tokens; unrelated text matches ~3 by chance
 TAIL_FRACTION = 1 / 8        # of chunk_len: the query's last 8 of 64 tokens decide the shift ...
 TAIL_MIN_FRACTION = 3 / 8    # ... when some shift matches 3 of those 8 (a single token matches by chance)
-# Names the rule in the fingerprints of what it feeds (evaluation reports): another rule, another report.
+# Names the rule where it decides what is computed: evaluation reports' fingerprints and training
+# runs' rules.json (another rule, another report, another run). Change it with any constant above.
 ALIGNMENT_RULE = "end-first/8"
 
 

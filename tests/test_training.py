@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from data.alignment import ALIGNMENT_RULE
 from data.config import ConfigError
 from data.prepare import prepare
 from data.readers import DataError
@@ -397,14 +396,3 @@ def test_a_run_directory_refuses_another_run_but_not_other_stage_settings(tmp_pa
     claim_run_dir(cfg("data.whitespace=keep"), tmp_path / "run", write=False)
     with pytest.raises(TrainingError, match=r"data\.whitespace 'keep' → 'collapse'"):
         claim_run_dir(cfg(), tmp_path / "run", write=False)      # configs/tiny.yaml collapses
-    # What training reads beside the config: a run lined up under another alignment rule (an
-    # older RetroPipe) is another run; a run directory from before reads.json existed is not refused.
-    claim_run_dir(cfg(), tmp_path / "run2", write=True)
-    reads = tmp_path / "run2" / "reads.json"
-    assert json.loads(reads.read_text()) == {"alignment_rule": ALIGNMENT_RULE}
-    reads.write_text(json.dumps({"alignment_rule": "most-matches"}))
-    with pytest.raises(TrainingError, match=r"another rule .*alignment_rule 'most-matches' → 'end-first/8'"):
-        claim_run_dir(cfg(), tmp_path / "run2", write=False)
-    reads.unlink()
-    claim_run_dir(cfg(), tmp_path / "run2", write=True)
-    assert not reads.exists()  # resuming an older run does not label it with this version's rule

@@ -137,3 +137,32 @@ def test_the_run_config_records_the_new_steps(tmp_path):
     fake_run(run, cfg(tmp_path), 8)
     claim_run_dir(cfg(tmp_path, "train.steps=12"), run, write=True)
     assert yaml.safe_load((run / "config.yaml").read_text())["train"]["steps"] == 12
+
+
+def test_a_run_trained_under_another_alignment_rule_is_another_run(tmp_path):
+    import re
+
+    from data.alignment import ALIGNMENT_RULE
+
+    retro = cfg(tmp_path, config="tiny-retro.yaml")
+    claim_run_dir(retro, tmp_path / "retro", write=True)
+    rules = tmp_path / "retro" / "rules.json"
+    assert json.loads(rules.read_text()) == {"alignment_rule": ALIGNMENT_RULE}
+    rules.write_text(json.dumps({"alignment_rule": "most-matches"}))
+    with pytest.raises(TrainingError, match=rf"another rule .*alignment_rule 'most-matches' → {re.escape(repr(ALIGNMENT_RULE))}"):
+        claim_run_dir(retro, tmp_path / "retro", write=False)
+    # A run directory older than rules.json resumes unchecked and is not labelled with this rule.
+    rules.unlink()
+    claim_run_dir(retro, tmp_path / "retro", write=True)
+    assert not rules.exists()
+    # GPT-2, and RETRO without alignment, follow no alignment rule.
+    claim_run_dir(cfg(tmp_path), tmp_path / "gpt2", write=True)
+    assert json.loads((tmp_path / "gpt2" / "rules.json").read_text()) == {"alignment_rule": None}
+    unaligned = cfg(tmp_path, "retrieval.align_neighbours=false", "retrieval.aligned_only=false", config="tiny-retro.yaml")
+    claim_run_dir(unaligned, tmp_path / "unaligned", write=True)
+    assert json.loads((tmp_path / "unaligned" / "rules.json").read_text()) == {"alignment_rule": None}
+    # rules.json left by a claim killed before config.yaml: the next claim starts the run afresh.
+    (tmp_path / "killed").mkdir()
+    (tmp_path / "killed" / "rules.json").write_text(json.dumps({"alignment_rule": "most-matches"}))
+    claim_run_dir(retro, tmp_path / "killed", write=True)
+    assert json.loads((tmp_path / "killed" / "rules.json").read_text()) == {"alignment_rule": ALIGNMENT_RULE}

@@ -2,7 +2,7 @@
 
 A run directory `<workdir>/runs/<name>/` holds:
     config.yaml          the resolved config (a rerun with another config is refused)
-    reads.json           what training reads beside the config: the neighbour alignment rule
+    rules.json           the rules training follows beside its config: the neighbour alignment rule
     partition.json       the stage boundaries and the layers of each stage
     metrics.jsonl        one line per step (loss, lr, grad_norm, tokens_per_s, mfu) and per validation
     deepspeed_config.json  the DeepSpeed config as DeepSpeed got it (generated + train.deepspeed)
@@ -28,7 +28,7 @@ import yaml
 from data.alignment import ALIGNMENT_RULE
 from data.stage import atomic_write_text, read_json, write_json
 
-STATE_FILE, LATEST, READS = "state.json", "latest.json", "reads.json"
+STATE_FILE, LATEST, RULES_FILE = "state.json", "latest.json", "rules.json"
 
 
 class TrainingError(RuntimeError):
@@ -72,7 +72,7 @@ def run_identity(cfg, cfg_dict: dict) -> dict:
     return identity
 
 
-def training_reads(cfg) -> dict:
+def rules_beside_config(cfg) -> dict:
     """What a run's trajectory depends on beside its config: the rule that lines up a RETRO run's
     neighbours (data/alignment.py), which a newer RetroPipe may change under the same config."""
     aligned = cfg.model.kind == "retro" and cfg.retrieval.align_neighbours
@@ -94,17 +94,18 @@ def claim_run_dir(cfg, run_dir: Path, write: bool) -> None:
             raise TrainingError(f"{run_dir} holds a run with a different config ({path}: "
                                 + ", ".join(f"{k} {theirs.get(k)!r} → {ours.get(k)!r}" for k in changed[:5])
                                 + "); set train.name or workdir to start another run")
-        # A run directory of a version before reads.json says nothing: it is not refused.
-        theirs, ours = read_json(run_dir / READS) or {}, training_reads(cfg)
+        # A run directory of a version before rules.json says nothing: it is not refused.
+        theirs = read_json(run_dir / RULES_FILE, rerun="delete it to resume the run unchecked") or {}
+        ours = rules_beside_config(cfg)
         changed = sorted(k for k in theirs if theirs[k] != ours.get(k))
         if changed:
-            raise TrainingError(f"{run_dir} holds a run trained under another rule ({run_dir / READS}: "
+            raise TrainingError(f"{run_dir} holds a run trained under another rule ({run_dir / RULES_FILE}: "
                                 + ", ".join(f"{k} {theirs[k]!r} → {ours.get(k)!r}" for k in changed)
                                 + "); set train.name or workdir to start another run")
     if write:
         run_dir.mkdir(parents=True, exist_ok=True)
         if not path.exists():  # a new run reads what this version reads; an older one is not relabelled
-            write_json(run_dir / READS, training_reads(cfg))
+            write_json(run_dir / RULES_FILE, rules_beside_config(cfg))
         atomic_write_text(path, mine)
 
 
