@@ -94,7 +94,7 @@ def evaluate(cfg, checkpoints: list[Path], split: str, out: Path, corpus: str | 
     from data.stage import fingerprint, read_json, sha256_file, write_json
     from data.store import ChunkStore
     from data.tokenizer import get_tokenizer
-    from launch.report import write_report
+    from launch.report import how_trained, write_report
     from training import load_model
     from training.evaluate import evaluate_models
     from training.scoring import token_byte_lengths
@@ -132,7 +132,8 @@ def evaluate(cfg, checkpoints: list[Path], split: str, out: Path, corpus: str | 
     report = evaluate_models(models, chunks, token_byte_lengths(get_tokenizer(store.manifest["tokenizer"])), cfg.eval,
                              neighbours, curve, progress=bar, device=device)
     report.update(split=split, corpus=corpus or str(cfg.data.corpus), database=str(database),
-                  checkpoints=[str(p) for p in checkpoints], inputs=inputs)
+                  checkpoints=[str(p) for p in checkpoints], inputs=inputs,
+                  trained={name: how_trained(p) for (name, _), p in zip(models, checkpoints)})
     out.mkdir(parents=True, exist_ok=True)
     write_report(report, [p for p in checkpoints], out)
     save_config(cfg, out)

@@ -21,6 +21,32 @@ def _vs_off(report: dict, row: dict) -> str:
     return f"{(row['bits_per_byte'] / off['bits_per_byte'] - 1):+.2%}"
 
 
+def how_trained(checkpoint: Path) -> str | None:
+    """One line on how a checkpoint's model was trained, from its run's config.yaml (None without one).
+
+    A warm-started model (train.init_from) has trained longer than its own steps say, so a reader
+    comparing it with a baseline of the same steps must be told: its RETRO[OFF] row is the fair
+    comparison for what retrieval adds.
+    """
+    import yaml
+
+    run = checkpoint.parent if checkpoint.name == "model" else checkpoint
+    try:
+        cfg = yaml.safe_load((run / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    if not isinstance(cfg, dict):
+        return None
+    train, model = cfg.get("train") or {}, cfg.get("model") or {}
+    line = f"{model.get('kind', '?')}, {train.get('steps', '?')} steps of training, seed {train.get('seed', '?')}"
+    if train.get("init_from"):
+        frozen = "its trunk frozen (a RETRO-fit)" if model.get("freeze_trunk") else "its trunk trained further"
+        line += (f", starting from the weights of {train['init_from']} (train.init_from), {frozen}: it has trained "
+                 "longer than its steps say, so compare its RETRO rows with each other (ON against OFF), "
+                 "not with a model trained from scratch")
+    return line
+
+
 def table(report: dict) -> str:
     """The terminal summary: every row, its change against RETRO[OFF], the high- and low-overlap buckets."""
     lines = [f"{'model':<44}{'bits/byte':>11}{'vs OFF':>9}{'ppl':>10}", "-" * 74]
@@ -115,6 +141,9 @@ def write_report(report: dict, run_dirs: list[Path], out: Path) -> None:
           "| model | bits/byte | vs RETRO[OFF] | perplexity | tokens | bytes |", "|---|---|---|---|---|---|"]
     md += [f"| {r['model']} | {r['bits_per_byte']:.4f} | {_vs_off(report, r) or '–'} | {r['perplexity']:.2f} | "
            f"{r['tokens']:,} | {r['bytes']:,} |" for r in rows]
+    trained = report.get("trained") or {}
+    if any(trained.values()):
+        md += ["", "How each model was trained:", ""] + [f"- {name}: {line}" for name, line in trained.items() if line]
     alpha = report.get("alpha")
     if alpha:
         md += ["", "## Leakage (RETRO §2.6)", "",

@@ -95,11 +95,14 @@ def test_cpu_threads_share_a_pipelines_cores_not_another_replicas(monkeypatch):
     assert hardware.thread_environment("shared", 2, 2) == {"OMP_NUM_THREADS": "8", "OMP_WAIT_POLICY": "PASSIVE"}
 
 
+RETRO_STAGE = "train RETRO from the baseline's weights"
+
+
 def test_demo_quiets_the_deepspeed_launcher_unless_verbose(monkeypatch, tmp_path):
     from launch.demo import stages
 
     def train_cmd():
-        return dict(stages("configs/tiny.yaml", "corpus/jargon_devil.jsonl.gz", [], 2, tmp_path))["train RETRO"]
+        return dict(stages("configs/tiny.yaml", "corpus/jargon_devil.jsonl.gz", [], 2, tmp_path))[RETRO_STAGE]
 
     monkeypatch.delenv("RETROPIPE_VERBOSE", raising=False)
     cmd = train_cmd()
@@ -122,3 +125,22 @@ def test_demo_database_holds_the_second_edition_it_writes_first(tmp_path):
     assert cfg.eval.database_curve == [0, 0.5, 1]
     mine = load_config("configs/tiny.yaml", [*demo_overrides(tmp_path), "eval.database_curve=[]"])
     assert mine.eval.database_curve == []
+
+
+def test_demo_trains_retro_from_the_baseline_it_trains_first(tmp_path):
+    """RETRO's stage warm-starts from the model the baseline's stage writes, which runs before it."""
+    from launch.config import load_config
+    from launch.demo import stages
+
+    plan = stages("configs/tiny.yaml", "corpus/jargon_devil.jsonl.gz", [f"workdir={tmp_path}"], 2, tmp_path)
+    names = [name for name, _ in plan]
+    baseline, retro = names.index("train the GPT-2 baseline"), names.index(RETRO_STAGE)
+    assert baseline < retro
+
+    def config_of(cmd):
+        return load_config("configs/tiny.yaml", [cmd[i + 1] for i, a in enumerate(cmd) if a == "--set"])
+
+    base_cfg, retro_cfg = config_of(plan[baseline][1]), config_of(plan[retro][1])
+    assert base_cfg.model.kind == "gpt2" and retro_cfg.model.kind == "retro"
+    assert not retro_cfg.model.freeze_trunk  # the trunk trains on: a warm start, not a frozen RETRO-fit
+    assert Path(retro_cfg.train.init_from) == base_cfg.runs_dir / base_cfg.train.name / "model"

@@ -127,6 +127,11 @@ def evaluated(tmp_path_factory):
         save_model(model, root / "runs" / kind / "model")
         (root / "runs" / kind / "metrics.jsonl").write_text(
             "".join(json.dumps({"step": s, "loss": 10.0 - s}) + "\n" for s in range(1, 4)))
+    # The runs' config.yaml, as training leaves it (the parts the report reads): RETRO warm-started.
+    (root / "runs" / "gpt2" / "config.yaml").write_text(json.dumps({"model": {"kind": "gpt2"},
+                                                                    "train": {"steps": 3, "seed": 1234}}))
+    (root / "runs" / "retro" / "config.yaml").write_text(json.dumps(
+        {"model": {"kind": "retro"}, "train": {"steps": 3, "seed": 1234, "init_from": str(root / "runs" / "gpt2" / "model")}}))
     sets = [f"workdir={root}", "data.chunk_len=8", "data.validation_fraction=0.2", "train.seq_len=32",
             "model.n_positions=64", "eval.window=32", "eval.stride=16", "eval.more_neighbours=0"]
     return root, [a for s in sets for a in ("--set", s)]
@@ -189,6 +194,31 @@ def test_evaluate_writes_every_report_file(evaluated, capsys):
     for name in ("report.md", "loss_curves.png", "bpb.png", "bpb_by_alpha.png", "config.yaml"):
         assert (out / name).stat().st_size > 0, name
     assert "retro RETRO[OFF]" in (out / "report.md").read_text() and "bits/byte" in capsys.readouterr().out
+    # How each model was trained, from its run's config.yaml: RETRO from the baseline's weights.
+    trained = report["trained"]
+    assert trained["gpt2"] == "gpt2, 3 steps of training, seed 1234"
+    assert f"starting from the weights of {root / 'runs' / 'gpt2' / 'model'} (train.init_from)" in trained["retro"]
+    assert f"- retro: {trained['retro']}" in (out / "report.md").read_text()
+
+
+def test_a_warm_started_model_is_reported_as_one(tmp_path):
+    """A model trained from another's weights has trained longer than its steps say: the report says so."""
+    import yaml
+
+    from launch.report import how_trained
+
+    run = tmp_path / "runs" / "retro"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(yaml.safe_dump({"model": {"kind": "retro", "freeze_trunk": False},
+                                                     "train": {"steps": 100, "seed": 2, "init_from": "runs/gpt2/model"}}))
+    for checkpoint in (run, run / "model"):
+        line = how_trained(checkpoint)
+        assert line.startswith("retro, 100 steps of training, seed 2, starting from the weights of runs/gpt2/model")
+        assert "trunk trained further" in line and "ON against OFF" in line
+    (run / "config.yaml").write_text(yaml.safe_dump({"model": {"kind": "retro", "freeze_trunk": True},
+                                                     "train": {"steps": 100, "seed": 2, "init_from": "runs/gpt2/model"}}))
+    assert "trunk frozen" in how_trained(run)
+    assert how_trained(tmp_path / "elsewhere") is None  # a bare model directory: nothing to say
 
 
 def test_evaluation_is_skipped_for_the_same_inputs_and_redone_for_others(evaluated, tmp_path, capsys):
