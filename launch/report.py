@@ -38,7 +38,8 @@ def how_trained(checkpoint: Path) -> str | None:
     if not isinstance(cfg, dict):
         return None
     train, model = cfg.get("train") or {}, cfg.get("model") or {}
-    line = f"{model.get('kind', '?')}, {train.get('steps', '?')} steps of training, seed {train.get('seed', '?')}"
+    kind = {"gpt2": "GPT-2", "retro": "RETRO"}.get(model.get("kind"), model.get("kind", "?"))
+    line = f"{kind}, {train.get('steps', '?')} steps of training, seed {train.get('seed', '?')}"
     if train.get("init_from"):
         frozen = "its trunk frozen (a RETRO-fit)" if model.get("freeze_trunk") else "its trunk trained further"
         line += (f", starting from the weights of {train['init_from']} (train.init_from), {frozen}: it has trained "

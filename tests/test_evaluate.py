@@ -196,7 +196,7 @@ def test_evaluate_writes_every_report_file(evaluated, capsys):
     assert "retro RETRO[OFF]" in (out / "report.md").read_text() and "bits/byte" in capsys.readouterr().out
     # How each model was trained, from its run's config.yaml: RETRO from the baseline's weights.
     trained = report["trained"]
-    assert trained["gpt2"] == "gpt2, 3 steps of training, seed 1234"
+    assert trained["gpt2"] == "GPT-2, 3 steps of training, seed 1234"
     assert f"starting from the weights of {root / 'runs' / 'gpt2' / 'model'} (train.init_from)" in trained["retro"]
     assert f"- retro: {trained['retro']}" in (out / "report.md").read_text()
 
@@ -213,7 +213,7 @@ def test_a_warm_started_model_is_reported_as_one(tmp_path):
                                                      "train": {"steps": 100, "seed": 2, "init_from": "runs/gpt2/model"}}))
     for checkpoint in (run, run / "model"):
         line = how_trained(checkpoint)
-        assert line.startswith("retro, 100 steps of training, seed 2, starting from the weights of runs/gpt2/model")
+        assert line.startswith("RETRO, 100 steps of training, seed 2, starting from the weights of runs/gpt2/model")
         assert "trunk trained further" in line and "ON against OFF" in line
     (run / "config.yaml").write_text(yaml.safe_dump({"model": {"kind": "retro", "freeze_trunk": True},
                                                      "train": {"steps": 100, "seed": 2, "init_from": "runs/gpt2/model"}}))
