@@ -55,6 +55,24 @@ def edition_path(workdir: Path) -> Path:
     return workdir / "corpora" / "second_edition.jsonl"
 
 
+def older_retro_run(runs: Path) -> str | None:
+    """An error message if runs/retro holds RETRO from an older demo, which trained it from scratch:
+    training refuses a run directory of another config, and its hint (train.name) cannot help here."""
+    import yaml
+
+    try:
+        cfg = yaml.safe_load((runs / "retro" / "config.yaml").read_text())
+    except (OSError, ValueError, yaml.YAMLError):
+        return None
+    train = cfg.get("train") if isinstance(cfg, dict) else None
+    expected = str(runs / "gpt2" / "model")
+    if not isinstance(train, dict) or train.get("init_from") == expected:
+        return None
+    return (f"{runs / 'retro'} holds RETRO from an older demo (train.init_from {train.get('init_from')!r}); the demo's "
+            f"RETRO now starts from the baseline's weights ({expected}). Delete {runs / 'retro'} to train it again, "
+            f"or give the demo another --set workdir=...")
+
+
 def stages(config: str, corpus: str, overrides: list[str], nproc: int, workdir: Path) -> list[tuple[str, list[str]]]:
     from launch.cli import engines_verbose
 
@@ -110,7 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     # The user's --set win over the demo's; the stages agree on one absolute workdir.
     overrides = [*demo_overrides(workdir), *args.overrides, f"workdir={workdir}"]
     config = str(Path(args.config).resolve())
-    report = load_config(config, overrides).reports_dir / "report.md"
+    resolved = load_config(config, overrides)
+    report = resolved.reports_dir / "report.md"
+    older = older_retro_run(resolved.runs_dir)
+    if older:
+        print(f"demo: error: {older}", file=sys.stderr)
+        return 2
     # Not offline mode: the defaults need no network (bundled files), and a hub name given with
     # --set is fetched as the user asked.
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"}

@@ -127,13 +127,13 @@ def evaluate(cfg, checkpoints: list[Path], split: str, out: Path, corpus: str | 
         print(f"evaluate: {out / 'report.json'} is complete for these models, data and settings; nothing to do "
               f"(delete it to score again)")
         return done
+    trained = {name: how_trained(p, model.cfg.kind) for (name, model), p in zip(models, checkpoints)}  # before scoring
     chunks = store.split(split)
     bar = (lambda name: lambda xs: tqdm(xs, desc=f"eval {name}", leave=False, dynamic_ncols=True)) if progress else None
     report = evaluate_models(models, chunks, token_byte_lengths(get_tokenizer(store.manifest["tokenizer"])), cfg.eval,
                              neighbours, curve, progress=bar, device=device)
     report.update(split=split, corpus=corpus or str(cfg.data.corpus), database=str(database),
-                  checkpoints=[str(p) for p in checkpoints], inputs=inputs,
-                  trained={name: how_trained(p) for (name, _), p in zip(models, checkpoints)})
+                  checkpoints=[str(p) for p in checkpoints], inputs=inputs, trained=trained)
     out.mkdir(parents=True, exist_ok=True)
     write_report(report, [p for p in checkpoints], out)
     save_config(cfg, out)

@@ -21,8 +21,9 @@ def _vs_off(report: dict, row: dict) -> str:
     return f"{(row['bits_per_byte'] / off['bits_per_byte'] - 1):+.2%}"
 
 
-def how_trained(checkpoint: Path) -> str | None:
-    """One line on how a checkpoint's model was trained, from its run's config.yaml (None without one).
+def how_trained(checkpoint: Path, kind: str) -> str | None:
+    """One line on how a checkpoint's model (of `kind`) was trained, from its run's config.yaml;
+    None where there is no such file, or it is not a training run's config of this model.
 
     A warm-started model (train.init_from) has trained longer than its own steps say, so a reader
     comparing it with a baseline of the same steps must be told: its RETRO[OFF] row is the fair
@@ -33,18 +34,19 @@ def how_trained(checkpoint: Path) -> str | None:
     run = checkpoint.parent if checkpoint.name == "model" else checkpoint
     try:
         cfg = yaml.safe_load((run / "config.yaml").read_text())
-    except (OSError, yaml.YAMLError):
+    except (OSError, ValueError, yaml.YAMLError):  # ValueError: not UTF-8
         return None
-    if not isinstance(cfg, dict):
-        return None
-    train, model = cfg.get("train") or {}, cfg.get("model") or {}
-    kind = {"gpt2": "GPT-2", "retro": "RETRO"}.get(model.get("kind"), model.get("kind", "?"))
-    line = f"{kind}, {train.get('steps', '?')} steps of training, seed {train.get('seed', '?')}"
+    train, model = (cfg.get("train"), cfg.get("model")) if isinstance(cfg, dict) else (None, None)
+    if not isinstance(train, dict) or not isinstance(model, dict) or model.get("kind") != kind:
+        return None  # e.g. a bare model directory beside some other config.yaml
+    name = {"gpt2": "GPT-2", "retro": "RETRO"}.get(kind, kind)
+    line = f"{name}, {train.get('steps', '?')} steps of training, seed {train.get('seed', '?')}"
     if train.get("init_from"):
-        frozen = "its trunk frozen (a RETRO-fit)" if model.get("freeze_trunk") else "its trunk trained further"
-        line += (f", starting from the weights of {train['init_from']} (train.init_from), {frozen}: it has trained "
-                 "longer than its steps say, so compare its RETRO rows with each other (ON against OFF), "
-                 "not with a model trained from scratch")
+        line += f", starting from the weights of {train['init_from']} (train.init_from)"
+        if kind == "retro":
+            frozen = "its trunk frozen (a RETRO-fit)" if model.get("freeze_trunk") else "its trunk trained further"
+            line += (f", {frozen}: it has trained longer than its steps say, so compare its RETRO rows with "
+                     "each other (ON against OFF), not with a model trained from scratch")
     return line
 
 

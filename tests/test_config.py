@@ -144,3 +144,23 @@ def test_demo_trains_retro_from_the_baseline_it_trains_first(tmp_path):
     assert base_cfg.model.kind == "gpt2" and retro_cfg.model.kind == "retro"
     assert not retro_cfg.model.freeze_trunk  # the trunk trains on: a warm start, not a frozen RETRO-fit
     assert Path(retro_cfg.train.init_from) == base_cfg.runs_dir / base_cfg.train.name / "model"
+
+
+def test_demo_refuses_an_older_demos_retro_before_any_stage(tmp_path, capsys):
+    """An older demo trained RETRO from scratch in runs/retro; training would refuse that directory
+    with a hint the demo cannot follow, so the demo says what to do before it starts."""
+    import yaml
+
+    from launch.demo import main
+
+    (tmp_path / "runs" / "retro").mkdir(parents=True)
+    (tmp_path / "runs" / "retro" / "config.yaml").write_text(yaml.safe_dump({"train": {"init_from": ""}}))
+    assert main(["--set", f"workdir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert f"Delete {tmp_path / 'runs' / 'retro'}" in err and "--set workdir" in err
+    assert not (tmp_path / "corpora").exists()  # no stage ran
+    from launch.demo import older_retro_run
+
+    runs = tmp_path / "runs"
+    (runs / "retro" / "config.yaml").write_text(yaml.safe_dump({"train": {"init_from": str(runs / "gpt2" / "model")}}))
+    assert older_retro_run(runs) is None  # this demo's own RETRO: resumed or skipped as usual

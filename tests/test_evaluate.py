@@ -212,13 +212,20 @@ def test_a_warm_started_model_is_reported_as_one(tmp_path):
     (run / "config.yaml").write_text(yaml.safe_dump({"model": {"kind": "retro", "freeze_trunk": False},
                                                      "train": {"steps": 100, "seed": 2, "init_from": "runs/gpt2/model"}}))
     for checkpoint in (run, run / "model"):
-        line = how_trained(checkpoint)
+        line = how_trained(checkpoint, "retro")
         assert line.startswith("RETRO, 100 steps of training, seed 2, starting from the weights of runs/gpt2/model")
         assert "trunk trained further" in line and "ON against OFF" in line
     (run / "config.yaml").write_text(yaml.safe_dump({"model": {"kind": "retro", "freeze_trunk": True},
                                                      "train": {"steps": 100, "seed": 2, "init_from": "runs/gpt2/model"}}))
-    assert "trunk frozen" in how_trained(run)
-    assert how_trained(tmp_path / "elsewhere") is None  # a bare model directory: nothing to say
+    assert "trunk frozen" in how_trained(run, "retro")
+    assert how_trained(run, "gpt2") is None             # not this model's run: say nothing
+    assert how_trained(tmp_path / "elsewhere", "retro") is None  # a bare model directory: nothing to say
+    for broken in (b"\xff\xfe not utf-8", b"- a list", b"model: [retro]\ntrain: 3"):
+        (run / "config.yaml").write_bytes(broken)
+        assert how_trained(run, "retro") is None  # never fails an evaluation that has scored
+    (run / "config.yaml").write_text(yaml.safe_dump({"model": {"kind": "gpt2"}, "train": {"steps": 5, "seed": 1,
+                                                                                         "init_from": "hf-gpt2"}}))
+    assert how_trained(run, "gpt2") == "GPT-2, 5 steps of training, seed 1, starting from the weights of hf-gpt2 (train.init_from)"
 
 
 def test_evaluation_is_skipped_for_the_same_inputs_and_redone_for_others(evaluated, tmp_path, capsys):
