@@ -58,13 +58,9 @@ def edition_path(workdir: Path) -> Path:
 def older_retro_run(runs: Path) -> str | None:
     """An error message if runs/retro holds RETRO from an older demo, which trained it from scratch:
     training refuses a run directory of another config, and its hint (train.name) cannot help here."""
-    import yaml
+    from training.run_dir import read_run_config
 
-    try:
-        cfg = yaml.safe_load((runs / "retro" / "config.yaml").read_text())
-    except (OSError, ValueError, yaml.YAMLError):
-        return None
-    train = cfg.get("train") if isinstance(cfg, dict) else None
+    train = (read_run_config(runs / "retro") or {}).get("train")
     expected = str(runs / "gpt2" / "model")
     if not isinstance(train, dict) or train.get("init_from") == expected:
         return None

@@ -29,14 +29,10 @@ def how_trained(checkpoint: Path, kind: str) -> str | None:
     comparing it with a baseline of the same steps must be told: its RETRO[OFF] row is the fair
     comparison for what retrieval adds.
     """
-    import yaml
+    from training.run_dir import read_run_config
 
-    run = checkpoint.parent if checkpoint.name == "model" else checkpoint
-    try:
-        cfg = yaml.safe_load((run / "config.yaml").read_text())
-    except (OSError, ValueError, yaml.YAMLError):  # ValueError: not UTF-8
-        return None
-    train, model = (cfg.get("train"), cfg.get("model")) if isinstance(cfg, dict) else (None, None)
+    cfg = read_run_config(checkpoint.parent if checkpoint.name == "model" else checkpoint) or {}
+    train, model = cfg.get("train"), cfg.get("model")
     if not isinstance(train, dict) or not isinstance(model, dict) or model.get("kind") != kind:
         return None  # e.g. a bare model directory beside some other config.yaml
     name = {"gpt2": "GPT-2", "retro": "RETRO"}.get(kind, kind)

@@ -72,6 +72,16 @@ def run_identity(cfg, cfg_dict: dict) -> dict:
     return identity
 
 
+def read_run_config(run_dir: Path) -> dict | None:
+    """A run directory's config.yaml as a dict; None where it is missing, unreadable or not a
+    mapping. Never raises: for callers that only describe a run (reports, hints)."""
+    try:
+        cfg = yaml.safe_load((Path(run_dir) / "config.yaml").read_text())
+    except (OSError, ValueError, yaml.YAMLError):  # ValueError: not UTF-8
+        return None
+    return cfg if isinstance(cfg, dict) else None
+
+
 def rules_beside_config(cfg) -> dict:
     """What a run's trajectory depends on beside its config: the rule that lines up a RETRO run's
     neighbours (data/alignment.py), which a newer RetroPipe may change under the same config."""
