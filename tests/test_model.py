@@ -146,6 +146,45 @@ def test_fused_head_gives_the_plain_loss_and_gradients():
     assert (la - loss_fn(hr.detach() @ wr.detach().t(), y)).abs() > 1e-6  # not fp32 matmuls
 
 
+def test_the_lookups_gradient_is_added_in_place_and_equals_the_embeddings():
+    """model.lookup: over accumulated micro-batches its weight gradient equals F.embedding's, the
+    first micro-batch hands autograd a dense gradient and later ones a sparse one that is added in
+    place (so .grad stays the same dense tensor and hooks on accumulation still fire)."""
+    import torch.nn.functional as F
+    from training.model import lookup
+
+    torch.manual_seed(0)
+    ids = [torch.randint(0, 101, (3, 16)) for _ in range(3)]
+    ids[1][0, :4] = 7                                    # a row looked up several times
+    plain = torch.randn(101, 32, dtype=torch.float64, requires_grad=True)
+    mine = plain.detach().clone().requires_grad_()
+    arriving, accumulated = [], []
+    mine.register_hook(lambda g: arriving.append(g.is_sparse))
+    mine.register_post_accumulate_grad_hook(lambda p: accumulated.append(p.grad.data_ptr()))
+    for x in ids:
+        up = torch.randn(3, 16, 32, dtype=torch.float64)
+        (F.embedding(x, plain) * up).sum().backward()
+        (lookup(mine, x) * up).sum().backward()
+    assert arriving == [False, True, True]
+    assert not mine.grad.is_sparse and len(set(accumulated)) == 1 and len(accumulated) == 3
+    torch.testing.assert_close(mine.grad, plain.grad)
+    # Tied use (GPT-2: the head reads the same weight): one backward, the sum of both gradients.
+    cfg = tiny()
+    model, ref = GPT2(cfg), GPT2(cfg)
+    ref.load_state_dict(model.state_dict())
+    for x in ids:
+        loss_fn(model(x), x).backward()
+        logits = F.linear(ref.ln_f(ref.blocks[2](ref.blocks[1](ref.blocks[0](
+            ref.wpe(F.embedding(x, ref.wte.weight)))))), ref.wte.weight)
+        loss_fn(logits, x).backward()
+    torch.testing.assert_close(model.wte.weight.grad, ref.wte.weight.grad, rtol=1e-5, atol=1e-7)
+    # Frozen weight or no grad: a plain lookup, no gradient.
+    frozen = torch.randn(101, 32)
+    assert lookup(frozen, ids[0]).grad_fn is None
+    with torch.no_grad():
+        assert lookup(mine, ids[0]).grad_fn is None
+
+
 def test_decode_with_the_cache_gives_the_forward_logits():
     torch.manual_seed(0)
     model = GPT2(tiny()).eval()

@@ -56,12 +56,53 @@ class TokenEmbedding(nn.Embedding):
         nn.init.normal_(self.weight, mean=0.0, std=0.02)
 
 
+class _Lookup(torch.autograd.Function):
+    """F.embedding whose backward adds into the weight's existing gradient instead of building a
+    dense (vocab, d) one per call.
+
+    A dense embedding gradient is 77 MB at GPT-2's vocabulary and d = 384: written as zeros,
+    scattered into, then read and added to `.grad` once more for every micro-batch, while the rows
+    it changes are a few thousand. On a CPU pipeline stage that memory traffic, contending with the
+    other stage's head, was the largest cost after the matmuls (docs/benchmarks.md). So once the
+    weight holds a dense gradient (from an earlier micro-batch, or the tied head's use in the same
+    backward), this returns a sparse one: autograd adds it in place (`dense += sparse`), its
+    accumulation hooks (DeepSpeed's) still run, and `.grad` stays dense. The first call of a step
+    returns a dense gradient, so `.grad` is never sparse.
+    """
+
+    @staticmethod
+    def forward(ctx, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(ids)
+        ctx.weight = weight  # the parameter itself: its .grad is read at backward time
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        if not ctx.needs_input_grad[1]:
+            return None, None
+        (ids,) = ctx.saved_tensors
+        weight = ctx.weight
+        rows, flat = ids.reshape(-1), grad.reshape(-1, grad.shape[-1])                 # (b·n,), (b·n, d)
+        held = weight.grad
+        if held is None or held.is_sparse or held.dtype != grad.dtype or held.device != grad.device:
+            return None, torch.zeros(weight.shape, dtype=grad.dtype, device=grad.device).index_add_(0, rows, flat)
+        return None, torch.sparse_coo_tensor(rows.unsqueeze(0), flat, weight.shape, check_invariants=False)
+
+
+def lookup(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """ids (...) int64 → (..., d): the tied embedding's lookup for training (see `_Lookup`)."""
+    if torch.is_grad_enabled() and weight.requires_grad:
+        return _Lookup.apply(ids, weight)
+    return F.embedding(ids, weight)
+
+
 def embed_tokens(wte: TokenEmbedding, x):
     """First layer: tokens (b, n) int64 → (b, n, d); RETRO's tuple keeps its neighbour ids."""
     if isinstance(x, tuple):
         tokens, *rest = x
-        return (F.embedding(tokens, wte.weight), *rest)
-    return F.embedding(x, wte.weight)
+        return (lookup(wte.weight, tokens), *rest)
+    return lookup(wte.weight, x)
 
 
 def lm_logits(wte: TokenEmbedding, h: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from training.cca import ChunkedCrossAttention
 from training.config import ModelConfig
 from training.encoder import RetrievalEncoder
 from training.model import (GPT2, Block, DecodeCache, LayerCache, PositionEmbedding, TokenEmbedding, init_weights,
-                            lm_logits)
+                            lm_logits, lookup)
 
 # Trunk fields a RETRO-fit must share with its GPT-2 checkpoint.
 TRUNK_FIELDS = ("vocab_size", "n_positions", "n_layer", "n_head", "n_embd")
@@ -53,17 +53,15 @@ def embed_inputs(wte: TokenEmbedding, x, chunk_len: int):
     """First RETRO layer (tied use of wte): (tokens, neighbours) → (token embeddings (b, n, d),
     neighbours, embedded neighbours (b, l, k, r, d)).
 
-    Tokens and neighbours are looked up together: each lookup's backward builds a dense
-    (vocab, d) gradient and adds it into the tied weight's, and on a CPU pipeline stage that
-    memory traffic was the largest cost after the matmuls (docs/benchmarks.md); one lookup halves
-    it. Missing neighbour tokens (-1) embed as token 0; the encoder and the CCA mask them out. The
-    embedded neighbours travel through the blocks before the first CCA (a `Block` passes them on)
+    Tokens and neighbours are looked up together, in one `model.lookup` (whose backward adds into
+    the tied weight's gradient in place), so a micro-batch touches that gradient once. Missing
+    neighbour tokens (-1) embed as token 0; the encoder and the CCA mask them out. The embedded neighbours travel through the blocks before the first CCA (a `Block` passes them on)
     to the encoder, so they receive a gradient (a DeepSpeed pipe requirement).
     """
     tokens, neighbours = x
     check_inputs(tokens, neighbours, chunk_len)
     ids = torch.cat([tokens.reshape(-1), neighbours.clamp(min=0).reshape(-1)])
-    both = F.embedding(ids, wte.weight)                                    # (b·n + b·l·k·r, d)
+    both = lookup(wte.weight, ids)                                         # (b·n + b·l·k·r, d)
     h, embedded = both.split([tokens.numel(), neighbours.numel()])
     return h.view(*tokens.shape, -1), neighbours, embedded.view(*neighbours.shape, -1)
 
