@@ -55,18 +55,29 @@ def edition_path(workdir: Path) -> Path:
     return workdir / "corpora" / "second_edition.jsonl"
 
 
-def older_retro_run(runs: Path) -> str | None:
-    """An error message if runs/retro holds RETRO from an older demo, which trained it from scratch:
-    training refuses a run directory of another config, and its hint (train.name) cannot help here."""
-    from training.run_dir import read_run_config
+def older_runs(config: str, plan: list[tuple[str, list[str]]]) -> str | None:
+    """An error message if a training stage's run directory holds a run of another config (an
+    older demo's: trained from scratch, or with other model settings). Training would refuse it
+    only when its stage comes, with a hint (train.name) the demo cannot follow; so the demo says
+    what to do before any stage runs."""
+    import yaml
 
-    train = (read_run_config(runs / "retro") or {}).get("train")
-    expected = str(runs / "gpt2" / "model")
-    if not isinstance(train, dict) or train.get("init_from") == expected:
-        return None
-    return (f"{runs / 'retro'} holds RETRO from an older demo (train.init_from {train.get('init_from')!r}); the demo's "
-            f"RETRO now starts from the baseline's weights ({expected}). Delete {runs / 'retro'} to train it again, "
-            f"or give the demo another --set workdir=...")
+    from launch.config import load_config
+    from training.run_dir import run_dir_conflict
+
+    for _, cmd in plan:
+        if "launch/train.py" not in cmd:
+            continue
+        cfg = load_config(config, [cmd[i + 1] for i, a in enumerate(cmd) if a == "--set"])
+        run_dir = cfg.runs_dir / cfg.train.name
+        try:
+            conflict = run_dir_conflict(cfg, run_dir)
+        except (ValueError, yaml.YAMLError) as e:  # an unreadable config.yaml or rules.json
+            conflict = str(e)
+        if conflict:
+            return (f"{conflict}. It is an older demo's run; delete {run_dir} to train it again, or give the "
+                    f"demo another --set workdir=...")
+    return None
 
 
 def stages(config: str, corpus: str, overrides: list[str], nproc: int, workdir: Path) -> list[tuple[str, list[str]]]:
@@ -126,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     config = str(Path(args.config).resolve())
     resolved = load_config(config, overrides)
     report = resolved.reports_dir / "report.md"
-    older = older_retro_run(resolved.runs_dir)
+    plan = stages(config, str(cfg.data.corpus), overrides, args.nproc, workdir)
+    older = older_runs(config, plan)
     if older:
         print(f"demo: error: {older}", file=sys.stderr)
         return 2
@@ -134,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     # --set is fetched as the user asked.
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"}
     began = time.perf_counter()
-    for name, cmd in stages(config, str(cfg.data.corpus), overrides, args.nproc, workdir):
+    for name, cmd in plan:
         print(f"\n=== {name}: {' '.join(Path(c).name if i == 0 else c for i, c in enumerate(cmd))}", flush=True)
         start = time.perf_counter()
         if subprocess.run(cmd, cwd=ROOT, env=env).returncode != 0:

@@ -146,21 +146,41 @@ def test_demo_trains_retro_from_the_baseline_it_trains_first(tmp_path):
     assert Path(retro_cfg.train.init_from) == base_cfg.runs_dir / base_cfg.train.name / "model"
 
 
-def test_demo_refuses_an_older_demos_retro_before_any_stage(tmp_path, capsys):
-    """An older demo trained RETRO from scratch in runs/retro; training would refuse that directory
-    with a hint the demo cannot follow, so the demo says what to do before it starts."""
+def test_demo_refuses_an_older_demos_runs_before_any_stage(tmp_path, capsys):
+    """An older demo trained RETRO from scratch, or both models with another embedding start;
+    training would refuse those run directories only when its stage comes, with a hint the demo
+    cannot follow, so the demo says what to do before it starts. Its own runs pass."""
     import yaml
 
-    from launch.demo import main
+    from launch.config import load_config
+    from launch.demo import main, older_runs, stages
 
-    (tmp_path / "runs" / "retro").mkdir(parents=True)
-    (tmp_path / "runs" / "retro" / "config.yaml").write_text(yaml.safe_dump({"train": {"init_from": ""}}))
+    config = str(Path("configs/tiny.yaml").resolve())
+    plan = stages(config, "corpus/jargon_devil.jsonl.gz", [f"workdir={tmp_path}"], 2, tmp_path)
+    own = {}
+    for name, cmd in plan:
+        if "launch/train.py" in cmd:
+            cfg = load_config(config, [cmd[i + 1] for i, a in enumerate(cmd) if a == "--set"])
+            own[cfg.train.name] = cfg.to_dict()
+    assert sorted(own) == ["gpt2", "retro"]
+    runs = tmp_path / "runs"
+
+    def holds(name, **changes):
+        cfg = {**own[name], **{k: {**own[name][k], **v} for k, v in changes.items()}}
+        (runs / name).mkdir(parents=True, exist_ok=True)
+        (runs / name / "config.yaml").write_text(yaml.safe_dump(cfg))
+
+    holds("gpt2"), holds("retro")
+    assert older_runs(config, plan) is None  # this demo's own runs: resumed or skipped as usual
+    holds("retro", train={"init_from": ""})  # RETRO from scratch
+    message = older_runs(config, plan)
+    assert f"delete {runs / 'retro'}" in message and "train.init_from" in message
+    holds("retro")
+    holds("gpt2", model={"embedding_init_std": 0.02})  # before the tiny configs' embedding start
+    message = older_runs(config, plan)
+    assert f"delete {runs / 'gpt2'}" in message and "model.embedding_init_std 0.02 → 0.1" in message
+
     assert main(["--set", f"workdir={tmp_path}"]) == 2
     err = capsys.readouterr().err
-    assert f"Delete {tmp_path / 'runs' / 'retro'}" in err and "--set workdir" in err
+    assert f"delete {runs / 'gpt2'}" in err and "--set workdir" in err
     assert not (tmp_path / "corpora").exists()  # no stage ran
-    from launch.demo import older_retro_run
-
-    runs = tmp_path / "runs"
-    (runs / "retro" / "config.yaml").write_text(yaml.safe_dump({"train": {"init_from": str(runs / "gpt2" / "model")}}))
-    assert older_retro_run(runs) is None  # this demo's own RETRO: resumed or skipped as usual

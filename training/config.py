@@ -32,6 +32,12 @@ class ModelConfig:
     n_head: int = 12
     n_embd: int = 768
     dropout: float = 0.0
+    # Standard deviation of the token embedding's N(0, std) start (GPT-2: 0.02). The embedding is
+    # also the output head, and AdamW moves every row of it each step, rarely seen tokens' rows
+    # all the same way; a row's own direction is what lets RETRO copy the token from a neighbour.
+    # At narrow widths 0.02 leaves too little of it (std · sqrt(n_embd) = 0.23 at 128), so the
+    # tiny configs start at 0.1 (docs/results.md, "rare tokens").
+    embedding_init_std: float = 0.02
     # RETRO only. Layers (1-indexed) holding chunked cross-attention; [] = default, see cca_layers().
     retro_layers: list[int] = field(default_factory=list)
     # Retrieval encoder: bidirectional layers over each neighbour, and their width/heads.
@@ -64,6 +70,7 @@ class ModelConfig:
         require(self.n_layer >= 1, "model.n_layer", "must be >= 1")
         require(self.vocab_size >= 1 and self.n_positions >= 1, "model.vocab_size", "vocab_size and n_positions must be >= 1")
         require(0.0 <= self.dropout < 1.0, "model.dropout", "must be in [0, 1)")
+        require(self.embedding_init_std > 0, "model.embedding_init_std", "must be > 0")
         require(self.chunk_len >= 1, "model.chunk_len", "must be >= 1")
         for layer in self.retro_layers:
             require(1 <= layer <= self.n_layer, "model.retro_layers",

@@ -51,9 +51,9 @@ class TokenEmbedding(nn.Embedding):
     the wrong use.
     """
 
-    def __init__(self, vocab_size: int, n_embd: int):
+    def __init__(self, vocab_size: int, n_embd: int, init_std: float = 0.02):
         super().__init__(vocab_size, n_embd)
-        nn.init.normal_(self.weight, mean=0.0, std=0.02)
+        nn.init.normal_(self.weight, mean=0.0, std=init_std)
 
 
 class _Lookup(torch.autograd.Function):
@@ -266,7 +266,7 @@ class GPT2(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.wte = TokenEmbedding(cfg.vocab_size, cfg.n_embd)
+        self.wte = TokenEmbedding(cfg.vocab_size, cfg.n_embd, cfg.embedding_init_std)
         self.wpe = PositionEmbedding(cfg)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd)

@@ -177,7 +177,7 @@ class Retro(nn.Module):
             raise ValueError(f"Retro needs model.kind 'retro', got {cfg.kind!r}")
         self.cfg = cfg
         cca = [i - 1 for i in cfg.cca_layers()]  # 0-indexed
-        self.wte = TokenEmbedding(cfg.vocab_size, cfg.n_embd)
+        self.wte = TokenEmbedding(cfg.vocab_size, cfg.n_embd, cfg.embedding_init_std)
         self.wpe = PositionEmbedding(cfg)
         self.blocks = nn.ModuleList(
             RetroBlock(cfg, first=i == cca[0], last=i == cca[-1]) if i in cca else Block(cfg)

@@ -89,6 +89,28 @@ def rules_beside_config(cfg) -> dict:
     return {"alignment_rule": ALIGNMENT_RULE if aligned else None}
 
 
+def run_dir_conflict(cfg, run_dir: Path) -> str | None:
+    """Why run_dir cannot hold a run of cfg (it holds a run of another config, or one trained
+    under another rule), or None: empty, or this config's own run (resumed or complete)."""
+    path = run_dir / "config.yaml"
+    if not path.exists():
+        return None
+    theirs = run_identity(cfg, yaml.safe_load(path.read_text()))
+    ours = run_identity(cfg, yaml.safe_load(yaml.safe_dump(cfg.to_dict(), sort_keys=False)))
+    changed = sorted(k for k in theirs.keys() | ours.keys() if theirs.get(k) != ours.get(k))
+    if changed:
+        return (f"{run_dir} holds a run with a different config ({path}: "
+                + ", ".join(f"{k} {theirs.get(k)!r} → {ours.get(k)!r}" for k in changed[:5]) + ")")
+    # A run directory of a version before rules.json says nothing: it is not refused.
+    theirs = read_json(run_dir / RULES_FILE, rerun="delete it to resume the run unchecked") or {}
+    ours = rules_beside_config(cfg)
+    changed = sorted(k for k in theirs if theirs[k] != ours.get(k))
+    if changed:
+        return (f"{run_dir} holds a run trained under another rule ({run_dir / RULES_FILE}: "
+                + ", ".join(f"{k} {theirs[k]!r} → {ours.get(k)!r}" for k in changed) + ")")
+    return None
+
+
 def claim_run_dir(cfg, run_dir: Path, write: bool) -> None:
     """Claim run_dir for this config (write on one rank only); a run of another config is refused.
 
@@ -97,21 +119,9 @@ def claim_run_dir(cfg, run_dir: Path, write: bool) -> None:
     """
     mine = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
     path = run_dir / "config.yaml"
-    if path.exists():
-        theirs, ours = run_identity(cfg, yaml.safe_load(path.read_text())), run_identity(cfg, yaml.safe_load(mine))
-        changed = sorted(k for k in theirs.keys() | ours.keys() if theirs.get(k) != ours.get(k))
-        if changed:
-            raise TrainingError(f"{run_dir} holds a run with a different config ({path}: "
-                                + ", ".join(f"{k} {theirs.get(k)!r} → {ours.get(k)!r}" for k in changed[:5])
-                                + "); set train.name or workdir to start another run")
-        # A run directory of a version before rules.json says nothing: it is not refused.
-        theirs = read_json(run_dir / RULES_FILE, rerun="delete it to resume the run unchecked") or {}
-        ours = rules_beside_config(cfg)
-        changed = sorted(k for k in theirs if theirs[k] != ours.get(k))
-        if changed:
-            raise TrainingError(f"{run_dir} holds a run trained under another rule ({run_dir / RULES_FILE}: "
-                                + ", ".join(f"{k} {theirs[k]!r} → {ours.get(k)!r}" for k in changed)
-                                + "); set train.name or workdir to start another run")
+    conflict = run_dir_conflict(cfg, run_dir)
+    if conflict:
+        raise TrainingError(f"{conflict}; set train.name or workdir to start another run")
     if write:
         run_dir.mkdir(parents=True, exist_ok=True)
         if not path.exists():  # a new run reads what this version reads; an older one is not relabelled
