@@ -57,27 +57,31 @@ def edition_path(workdir: Path) -> Path:
 
 def older_runs(config: str, plan: list[tuple[str, list[str]]]) -> str | None:
     """An error message if a training stage's run directory holds a run of another config (an
-    older demo's: trained from scratch, or with other model settings). Training would refuse it
-    only when its stage comes, with a hint (train.name) the demo cannot follow; so the demo says
-    what to do before any stage runs."""
+    older demo's: RETRO trained from scratch, or either model with other settings). Training
+    would refuse it only when its stage comes, with a hint (train.name) the demo cannot follow;
+    so the demo names every such directory before any stage runs."""
     import yaml
 
     from launch.config import load_config
+    from launch.train import as_run, run_dir_of
     from training.run_dir import run_dir_conflict
 
+    found = []
     for _, cmd in plan:
         if "launch/train.py" not in cmd:
             continue
-        cfg = load_config(config, [cmd[i + 1] for i, a in enumerate(cmd) if a == "--set"])
-        run_dir = cfg.runs_dir / cfg.train.name
+        cfg = as_run(load_config(config, [cmd[i + 1] for i, a in enumerate(cmd) if a == "--set"]))
+        run_dir = run_dir_of(cfg)
         try:
             conflict = run_dir_conflict(cfg, run_dir)
-        except (ValueError, yaml.YAMLError) as e:  # an unreadable config.yaml or rules.json
-            conflict = str(e)
+        except (OSError, ValueError, yaml.YAMLError) as e:  # an unreadable config.yaml or rules.json
+            conflict = f"{run_dir} cannot be checked ({e})"
         if conflict:
-            return (f"{conflict}. It is an older demo's run; delete {run_dir} to train it again, or give the "
-                    f"demo another --set workdir=...")
-    return None
+            found.append((run_dir, conflict))
+    if not found:
+        return None
+    return ("; ".join(conflict for _, conflict in found) + ". Delete " + " and ".join(str(d) for d, _ in found)
+            + " to train again, or give the demo another --set workdir=...")
 
 
 def stages(config: str, corpus: str, overrides: list[str], nproc: int, workdir: Path) -> list[tuple[str, list[str]]]:

@@ -34,15 +34,23 @@ def run_dir_of(cfg) -> Path:
     return cfg.runs_dir / (cfg.train.name or cfg.model.kind)
 
 
+def as_run(cfg):
+    """cfg as a training run records it: train.precision "auto" replaced by what it stands for on
+    this machine, through the constructor so the section is validated again. The run directory's
+    config.yaml holds this, so whoever checks a run directory against a config resolves it too."""
+    from training.config import resolve_precision
+
+    cfg.train = dataclasses.replace(cfg.train, precision=resolve_precision(cfg.train.precision))
+    return cfg
+
+
 def preflight(cfg, world_size: int):
     """Every check of the config and the data that can fail before any process group or model
     exists; returns the chunk store, the neighbours (RETRO) and the pipeline cut."""
     from data.store import ChunkStore
-    from training.config import resolve_precision
     from training.layers import layer_list
 
-    # What "auto" stands for here, through the constructor so the section is validated again.
-    cfg.train = t = dataclasses.replace(cfg.train, precision=resolve_precision(cfg.train.precision))
+    t = as_run(cfg).train
     if world_size % t.pipeline_stages:
         raise ConfigError("train.pipeline_stages", f"world size {world_size} is not divisible by "
                           f"{t.pipeline_stages} pipeline stages")

@@ -149,38 +149,41 @@ def test_demo_trains_retro_from_the_baseline_it_trains_first(tmp_path):
 def test_demo_refuses_an_older_demos_runs_before_any_stage(tmp_path, capsys):
     """An older demo trained RETRO from scratch, or both models with another embedding start;
     training would refuse those run directories only when its stage comes, with a hint the demo
-    cannot follow, so the demo says what to do before it starts. Its own runs pass."""
+    cannot follow, so the demo names them all before it starts. Its own runs (as training writes
+    them: precision "auto" resolved) pass, so a rerun resumes."""
     import yaml
 
-    from launch.config import load_config
-    from launch.demo import main, older_runs, stages
+    from launch.demo import demo_overrides, main, older_runs, stages
+    from launch.train import as_run, run_dir_of
+    from training.run_dir import claim_run_dir
 
     config = str(Path("configs/tiny.yaml").resolve())
-    plan = stages(config, "corpus/jargon_devil.jsonl.gz", [f"workdir={tmp_path}"], 2, tmp_path)
-    own = {}
+    plan = stages(config, "corpus/jargon_devil.jsonl.gz", [*demo_overrides(tmp_path), f"workdir={tmp_path}"], 2,
+                  tmp_path)
+    runs = {}
     for name, cmd in plan:
         if "launch/train.py" in cmd:
-            cfg = load_config(config, [cmd[i + 1] for i, a in enumerate(cmd) if a == "--set"])
-            own[cfg.train.name] = cfg.to_dict()
-    assert sorted(own) == ["gpt2", "retro"]
-    runs = tmp_path / "runs"
-
-    def holds(name, **changes):
-        cfg = {**own[name], **{k: {**own[name][k], **v} for k, v in changes.items()}}
-        (runs / name).mkdir(parents=True, exist_ok=True)
-        (runs / name / "config.yaml").write_text(yaml.safe_dump(cfg))
-
-    holds("gpt2"), holds("retro")
+            cfg = as_run(load_config(config, [cmd[i + 1] for i, a in enumerate(cmd) if a == "--set"]))
+            claim_run_dir(cfg, run_dir_of(cfg), write=True)  # what launch/train.py writes
+            runs[cfg.train.name] = run_dir_of(cfg)
+    assert sorted(runs) == ["gpt2", "retro"]
+    assert yaml.safe_load((runs["gpt2"] / "config.yaml").read_text())["train"]["precision"] in ("bf16", "fp32")
     assert older_runs(config, plan) is None  # this demo's own runs: resumed or skipped as usual
-    holds("retro", train={"init_from": ""})  # RETRO from scratch
+
+    def older(name, section, key, value):
+        written = yaml.safe_load((runs[name] / "config.yaml").read_text())
+        written[section][key] = value
+        (runs[name] / "config.yaml").write_text(yaml.safe_dump(written))
+
+    older("retro", "train", "init_from", "")  # RETRO from scratch
     message = older_runs(config, plan)
-    assert f"delete {runs / 'retro'}" in message and "train.init_from" in message
-    holds("retro")
-    holds("gpt2", model={"embedding_init_std": 0.02})  # before the tiny configs' embedding start
+    assert f"Delete {runs['retro']} to train again" in message and "train.init_from" in message
+    older("gpt2", "model", "embedding_init_std", 0.02)  # before the tiny configs' embedding start
     message = older_runs(config, plan)
-    assert f"delete {runs / 'gpt2'}" in message and "model.embedding_init_std 0.02 → 0.1" in message
+    assert "model.embedding_init_std 0.02 → 0.1" in message
+    assert f"Delete {runs['gpt2']} and {runs['retro']} to train again" in message  # both at once
 
     assert main(["--set", f"workdir={tmp_path}"]) == 2
     err = capsys.readouterr().err
-    assert f"delete {runs / 'gpt2'}" in err and "--set workdir" in err
+    assert f"Delete {runs['gpt2']} and {runs['retro']}" in err and "--set workdir" in err
     assert not (tmp_path / "corpora").exists()  # no stage ran

@@ -178,6 +178,12 @@ def test_the_lookups_gradient_is_added_in_place_and_equals_the_embeddings():
             ref.wpe(F.embedding(x, ref.wte.weight)))))), ref.wte.weight)
         loss_fn(logits, x).backward()
     torch.testing.assert_close(model.wte.weight.grad, ref.wte.weight.grad, rtol=1e-5, atol=1e-7)
+    # int32 ids (F.embedding takes them) work on every micro-batch, not only the dense first one.
+    narrow = plain.detach().clone().requires_grad_()
+    for x in ids[:2]:
+        lookup(narrow, x.int()).sum().backward()
+    torch.testing.assert_close(narrow.grad, sum(F.embedding(x, plain).new_zeros(101, 32).index_add_(
+        0, x.reshape(-1), torch.ones(48, 32, dtype=torch.float64)) for x in ids[:2]))
     # Frozen weight or no grad: a plain lookup, no gradient.
     frozen = torch.randn(101, 32)
     assert lookup(frozen, ids[0]).grad_fn is None

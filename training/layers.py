@@ -85,7 +85,8 @@ def layer_list(cfg: ModelConfig, fused_head: bool = False) -> list[LayerDesc]:
     model.fused_loss_fn) instead of the logits."""
     n, d, giga = cfg.n_positions, cfg.n_embd, 1e-9
     retro = cfg.kind == "retro"
-    wte = dict(cls=TokenEmbedding, kwargs=dict(vocab_size=cfg.vocab_size, n_embd=d, init_std=cfg.embedding_init_std), tie_key="embed")
+    wte = dict(cls=TokenEmbedding, kwargs=dict(vocab_size=cfg.vocab_size, n_embd=d, init_std=cfg.embedding_init_std),
+               tie_key="embed")
     first_fn = functools.partial(embed_inputs, chunk_len=cfg.chunk_len) if retro else embed_tokens
     nb = (n // cfg.chunk_len) * COST_NEIGHBOURS * 2 * cfg.chunk_len if retro else 0  # neighbour tokens looked up too
     descs = [LayerDesc("wte", **wte, forward_fn=first_fn, cost=(n + nb) * d * giga),

@@ -58,16 +58,16 @@ class TokenEmbedding(nn.Embedding):
 
 class _Lookup(torch.autograd.Function):
     """F.embedding whose backward adds into the weight's existing gradient instead of building a
-    dense (vocab, d) one per call.
+    dense (vocab, d) one per call (CPU).
 
     A dense embedding gradient is 77 MB at GPT-2's vocabulary and d = 384: written as zeros,
     scattered into, then read and added to `.grad` once more for every micro-batch, while the rows
     it changes are a few thousand. On a CPU pipeline stage that memory traffic, contending with the
     other stage's head, was the largest cost after the matmuls (docs/benchmarks.md). So once the
-    weight holds a dense gradient (from an earlier micro-batch, or the tied head's use in the same
-    backward), this returns a sparse one: autograd adds it in place (`dense += sparse`), its
-    accumulation hooks (DeepSpeed's) still run, and `.grad` stays dense. The first call of a step
-    returns a dense gradient, so `.grad` is never sparse.
+    weight holds a dense gradient (from an earlier backward: an earlier micro-batch of the step),
+    this returns a sparse one: autograd adds it in place (`dense += sparse`), its accumulation
+    hooks (DeepSpeed's) still run, and `.grad` stays dense. While `.grad` is None it returns a
+    dense gradient, so `.grad` is never sparse.
     """
 
     @staticmethod
@@ -83,7 +83,7 @@ class _Lookup(torch.autograd.Function):
             return None, None
         (ids,) = ctx.saved_tensors
         weight = ctx.weight
-        rows, flat = ids.reshape(-1), grad.reshape(-1, grad.shape[-1])                 # (b·n,), (b·n, d)
+        rows, flat = ids.reshape(-1).long(), grad.reshape(-1, grad.shape[-1])          # (b·n,), (b·n, d)
         held = weight.grad
         if held is None or held.is_sparse or held.dtype != grad.dtype or held.device != grad.device:
             return None, torch.zeros(weight.shape, dtype=grad.dtype, device=grad.device).index_add_(0, rows, flat)
@@ -91,8 +91,12 @@ class _Lookup(torch.autograd.Function):
 
 
 def lookup(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """ids (...) int64 → (..., d): the tied embedding's lookup for training (see `_Lookup`)."""
-    if torch.is_grad_enabled() and weight.requires_grad:
+    """ids (...) int → (..., d): the tied embedding's lookup for training (see `_Lookup`).
+
+    CPU only: on a GPU the dense gradient costs little, and `F.embedding`'s own backward sums each
+    row in a fixed order in fp32, where `index_add_` would add in bf16 with atomics (run-to-run
+    differences)."""
+    if torch.is_grad_enabled() and weight.requires_grad and weight.device.type == "cpu":
         return _Lookup.apply(ids, weight)
     return F.embedding(ids, weight)
 

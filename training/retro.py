@@ -54,9 +54,10 @@ def embed_inputs(wte: TokenEmbedding, x, chunk_len: int):
     neighbours, embedded neighbours (b, l, k, r, d)).
 
     Tokens and neighbours are looked up together, in one `model.lookup` (whose backward adds into
-    the tied weight's gradient in place), so a micro-batch touches that gradient once. Missing
-    neighbour tokens (-1) embed as token 0; the encoder and the CCA mask them out. The embedded neighbours travel through the blocks before the first CCA (a `Block` passes them on)
-    to the encoder, so they receive a gradient (a DeepSpeed pipe requirement).
+    the tied weight's gradient in place, not through a dense gradient per call). Missing
+    neighbour tokens (-1) embed as token 0; the encoder and the CCA mask them out. The embedded
+    neighbours travel through the blocks before the first CCA (a `Block` passes them on) to the
+    encoder, so they receive a gradient (a DeepSpeed pipe requirement).
     """
     tokens, neighbours = x
     check_inputs(tokens, neighbours, chunk_len)
