@@ -19,7 +19,10 @@ RETRO starts from the trained baseline's weights (`train.init_from`; the paper's
 §4.2, with the trunk left to train): its chunked cross-attention and encoder start fresh, and in
 the same 100 steps it learns to copy from its neighbours better than from scratch (docs/results.md).
 It has then trained 200 steps in all, so its RETRO[OFF] row, not the baseline, is the comparison
-for what retrieval adds; the report says so beside the rows.
+for what retrieval adds; the report says so beside the rows. configs/tiny.yaml starts the token
+embedding at N(0, 0.1) rather than GPT-2's 0.02 (`model.embedding_init_std`): at width 128 that
+is what lets RETRO copy rare tokens, so that its sample continues the held-out entry as its
+neighbour does.
 
 Each stage is the command a user would type, run as a subprocess, so the demo shows the real
 entry points; each skips work that is already complete, so rerunning the demo is cheap.
