@@ -191,6 +191,24 @@ def test_the_lookups_gradient_is_added_in_place_and_equals_the_embeddings():
         assert lookup(mine, ids[0]).grad_fn is None
 
 
+def test_the_token_embedding_starts_at_the_configured_std_in_every_form():
+    """model.embedding_init_std: the monolithic model and the layer list (what a pipeline stage
+    builds) start the tied embedding alike; the tiny configs take 0.1; ≤ 0 is refused."""
+    from data.config import ConfigError
+    from launch.config import load_config
+
+    torch.manual_seed(0)
+    for std in (0.02, 0.1):
+        cfg = tiny(embedding_init_std=std, vocab_size=4000)
+        for model in (GPT2(cfg), build_sequential(cfg)):
+            assert abs(model.wte.weight.std().item() - std) < 0.05 * std
+        assert abs(GPT2(cfg).blocks[0].attn.c_attn.weight.std().item() - 0.02) < 0.002  # the rest: GPT-2's
+    assert load_config("configs/tiny.yaml", []).model.embedding_init_std == 0.1
+    assert ModelConfig().embedding_init_std == 0.02
+    with pytest.raises(ConfigError, match="model.embedding_init_std"):
+        tiny(embedding_init_std=0.0)
+
+
 def test_decode_with_the_cache_gives_the_forward_logits():
     torch.manual_seed(0)
     model = GPT2(tiny()).eval()
