@@ -36,7 +36,7 @@ class ModelConfig:
     # also the output head, and AdamW moves every row of it each step, rarely seen tokens' rows
     # all the same way; a row's own direction is what lets RETRO copy the token from a neighbour.
     # At narrow widths 0.02 leaves too little of it (std · sqrt(n_embd) = 0.23 at 128), so the
-    # tiny configs start at 0.1 (docs/results.md, "rare tokens").
+    # tiny configs start at 0.1 (docs/results.md, "Rare tokens").
     embedding_init_std: float = 0.02
     # RETRO only. Layers (1-indexed) holding chunked cross-attention; [] = default, see cca_layers().
     retro_layers: list[int] = field(default_factory=list)
