@@ -185,3 +185,52 @@ def test_precision_auto_takes_bf16_only_where_the_kernels_may_use_it(monkeypatch
     monkeypatch.delenv("ATEN_CPU_CAPABILITY")
     monkeypatch.setattr(hw, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
     assert hw.resolve_precision("auto") == "fp32" and hw.resolve_precision("bf16") == "bf16"
+
+
+
+def _stage(specs):
+    """The layers DeepSpeed specs build, each with how a PipelineModule stage calls it."""
+    built = [(spec.build(), getattr(spec, "forward_fn", None)) for spec in specs]
+    return built, lambda x: _run(built, x)
+
+
+def _run(built, x):
+    for module, fn in built:
+        x = fn(module, x) if fn is not None else module(x)
+    return x
+
+
+def test_a_stage_boundary_carries_retros_tuple_as_one_tensor_so_backward_runs_once():
+    """DeepSpeed runs a stage's backward once per float tensor it sent on. RETRO's (h, ids,
+    encoded) share the layers below the first CCA layer: sent as two tensors those layers ran
+    backward twice; packed (training.pipeline.pack_boundary), once, with the same gradients."""
+    from training.pipeline import layer_specs, pack_boundary, unpack_boundary
+
+    cfg = ModelConfig(kind="retro", n_layer=4, n_head=2, n_embd=32, n_positions=64, chunk_len=16,
+                      encoder_layers=1, encoder_embd=16, encoder_head=2, retro_layers=[2, 4])
+    descs = layer_list(cfg)
+    cut = [d.name for d in descs].index("blocks.2")               # after the first CCA layer (blocks.1)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 64))
+    nbrs = torch.randint(0, cfg.vocab_size, (2, 4, 2, 32))
+
+    def backward_runs(specs):
+        """How often blocks.0's weight got a gradient when backward runs as DeepSpeed runs it."""
+        built, stage = _stage(specs)
+        out = stage((tokens, nbrs))
+        calls = []
+        built[2][0].mlp.c_fc.weight.register_hook(lambda g: calls.append(g.clone()))   # blocks.0
+        floats = [t for t in out if t.is_floating_point()]
+        for i, t in enumerate(floats):
+            t.backward(torch.ones_like(t), retain_graph=i < len(floats) - 1)
+        return out, len(calls), sum(calls)
+
+    plain, n_plain, g_plain = backward_runs(layer_specs(descs, 0)[:cut])
+    packed, n_packed, g_packed = backward_runs(layer_specs(descs, 0, [0, cut, len(descs)], cfg)[:cut])
+    assert len(plain) == 3 and len(packed) == 2 and packed[0].shape == (2, 64 * 32 + 4 * 2 * 32 * 16)
+    assert (n_plain, n_packed) == (2, 1)
+    torch.testing.assert_close(g_packed, g_plain)
+    h, ids, encoded = unpack_boundary(packed, n_embd=32, chunk_len=16)   # what the next stage sees
+    assert torch.equal(h, plain[0]) and torch.equal(ids, plain[1]) and torch.equal(encoded, plain[2])
+    assert pack_boundary(h) is h                                          # a lone h passes as it is
+    first_input = (tokens, nbrs)
+    assert unpack_boundary(first_input, n_embd=32, chunk_len=16) is first_input       # a stage's input too
