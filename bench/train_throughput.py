@@ -128,6 +128,11 @@ def worker(args) -> None:
     print(f"PEAK_RSS_MB {peak_memory_mb()[0]:.0f}", flush=True)  # every rank: a training process's peak memory
     if torch.distributed.get_rank() == 0:
         print("RESULT " + json.dumps({"tokens_per_s": tokens / min(times[args.warmup:]), "parts": parts}), flush=True)
+    # As launch/train.py: gloo's threads can abort a finished rank in the interpreter's teardown.
+    from training.pipeline import shutdown
+    shutdown()
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def run_pipeline(args, kind: str, policy: str) -> tuple[float, list[int], float]:
