@@ -79,7 +79,7 @@ def run_single(args, kind: str) -> float:
     model_cfg, train = configs(args, kind)
     model = build_sequential_seeded(model_cfg, train.seed, fused_head=train.fused_head).train()
     loss_of = fused_loss_fn if train.fused_head else lambda logits, labels: loss_fn(logits.float(), labels)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # as training/deepspeed_config.py
     rng = torch.Generator().manual_seed(0)
     batches = [random_micro_batch(model_cfg, train, rng) for _ in range(train.micro_batches)]
     times = []
