@@ -203,8 +203,9 @@ def _run(built, x):
 def test_a_stage_boundary_carries_retros_tuple_as_one_tensor_so_backward_runs_once():
     """DeepSpeed runs a stage's backward once per float tensor it sent on. RETRO's (h, ids,
     encoded) share the layers below the first CCA layer: sent as two tensors those layers ran
-    backward twice; packed (training.pipeline.pack_boundary), once, with the same gradients."""
-    from training.pipeline import layer_specs, pack_boundary, unpack_boundary
+    backward twice; packed (training.stage_boundary), once, with the same gradients."""
+    from training.pipeline import layer_specs
+    from training.stage_boundary import pack_boundary, unpack_boundary
 
     cfg = ModelConfig(kind="retro", n_layer=4, n_head=2, n_embd=32, n_positions=64, chunk_len=16,
                       encoder_layers=1, encoder_embd=16, encoder_head=2, retro_layers=[2, 4])

@@ -11,7 +11,8 @@ knowing DeepSpeed. What lives here:
   parameter names); later uses pass their forward_fn.
 - Layers are built under a per-layer seed (training/layers.py `seeded`), so a stage builds exactly
   the weights the same layer has in a 1-stage run or in `build_sequential_seeded`.
-- Stages are cut at the boundaries training/partition.py computes.
+- Stages are cut at the boundaries training/partition.py computes; the layers either side of a
+  cut send RETRO's (h, ids, z) as one float tensor (training/stage_boundary.py says why).
 - Warm starts into a stage's layers; checkpoints; the full model gathered from the stages; the
   tied-embedding check; DeepSpeed's logs. (The JSON DeepSpeed is given is plain dicts, generated
   and checked in training/deepspeed_config.py.)
@@ -45,6 +46,7 @@ from training.param_groups import parameter_groups  # noqa: E402
 from training.partition import partition  # noqa: E402
 from training.retro import freeze_trunk, is_retrieval_parameter  # noqa: E402
 from training.run_dir import TrainingError  # noqa: E402
+from training.stage_boundary import at_boundary, class_at_boundary, unpack_boundary  # noqa: E402
 
 # DeepSpeed JIT-compiles a shared-memory allreduce for CPU on first use (~90 s); gloo does the
 # same job without a C++ build, so never build it.
@@ -119,53 +121,14 @@ def _no_leaf_outputs(forward_fn):
     return fn
 
 
-def pack_boundary(x):
-    """RETRO's (h, ids, z) as (hz, ids): its two float tensors as one, (b, n·d + l·k·r·w).
-
-    DeepSpeed (0.19) runs a stage's backward once per float tensor it sent on, with
-    retain_graph: `h.backward(g_h)`, then `z.backward(g_z)`. z (the embedded or encoded
-    neighbours) depends on h below the first CCA layer, so every layer beneath it, and the
-    encoder's context, ran backward twice: measured, stage 0 of RETRO 12 × 384 did 1.6× the
-    matmuls of the same layers outside DeepSpeed. One tensor, one backward. Anything else
-    (GPT-2's h, RETRO's h after the last CCA layer) passes unchanged.
-    """
-    if (isinstance(x, tuple) and len(x) == 3 and x[0].is_floating_point() and x[2].is_floating_point()
-            and not x[1].is_floating_point() and x[0].dtype == x[2].dtype):
-        h, ids, z = x
-        return torch.cat([h.flatten(1), z.flatten(1)], dim=1), ids
-    return x
-
-
-def unpack_boundary(x, n_embd: int, chunk_len: int):
-    """pack_boundary undone on the next stage: views of the received tensor, so its gradient is one too."""
-    if isinstance(x, tuple) and len(x) == 2 and x[0].is_floating_point() and not x[1].is_floating_point():
-        hz, ids = x
-        (b, l, k, r), n = ids.shape, ids.shape[1] * chunk_len
-        h, z = hz.split([n * n_embd, hz.shape[1] - n * n_embd], dim=1)
-        return h.view(b, n, n_embd), ids, z.view(b, l, k, r, -1)  # (b, n, d), (b, l, k, r), (b, l, k, r, w)
-    return x
-
-
-def _at_boundary(forward_fn, pack: bool, unpack):
-    """forward_fn(module, x) that unpacks what a stage received and/or packs what it sends on."""
-    def fn(module, x):
-        out = forward_fn(module, unpack(x) if unpack else x)
-        return pack_boundary(out) if pack else out
-    return fn
-
-
-def _class_at_boundary(cls: type, pack: bool, unpack) -> type:
-    """`cls` (same name, same parameters) whose forward is wrapped as _at_boundary does."""
-    fn = _at_boundary(lambda module, x: cls.forward(module, x), pack, unpack)
-    return type(cls.__name__, (cls,), {"forward": lambda self, x: fn(self, x)})
-
-
 def layer_specs(descs: list[LayerDesc], seed: int, parts: list[int] | None = None,
                 model: ModelConfig | None = None) -> list:
     """DeepSpeed layer specs; with parts (stage bounds) and model, the layers either side of each
     cut pack and unpack RETRO's tuple (pack_boundary)."""
+    if parts and model is None:
+        raise ValueError("layer_specs: a cut (parts) needs the model config to unpack RETRO's tuple")
     starts = set(parts[1:-1]) if parts else set()
-    unpack = functools.partial(unpack_boundary, n_embd=model.n_embd, chunk_len=model.chunk_len) if model else None
+    unpack = functools.partial(unpack_boundary, n_embd=model.n_embd, chunk_len=model.chunk_len) if parts else None
     specs, tied = [], set()
     for i, d in enumerate(descs):
         forward_fn = _no_leaf_outputs(d.forward_fn) if d.forward_fn else None
@@ -173,9 +136,9 @@ def layer_specs(descs: list[LayerDesc], seed: int, parts: list[int] | None = Non
         cut_after, cut_before = i + 1 in starts, i in starts
         if cut_after or cut_before:
             if forward_fn:
-                forward_fn = _at_boundary(forward_fn, cut_after, cut_before and unpack)
+                forward_fn = at_boundary(forward_fn, cut_after, cut_before and unpack)
             else:
-                cls = _class_at_boundary(cls, cut_after, cut_before and unpack)
+                cls = class_at_boundary(cls, cut_after, cut_before and unpack)
         if d.tie_key is None:
             specs.append(SeededLayerSpec(seed + i, cls, **d.kwargs))
         elif d.tie_key not in tied:
