@@ -67,3 +67,12 @@ def test_bad_passthrough_shapes_are_refused():
         deepspeed_config(TrainConfig(precision="fp32", deepspeed={"zero_optimization": {"stage": 0}}))
     one_stage = TrainConfig(precision="fp32", pipeline_stages=1, deepspeed={"zero_optimization": {"stage": 0}})
     assert deepspeed_config(one_stage)["zero_optimization"]["stage"] == 0
+
+
+def test_the_fused_adamw_step_goes_only_to_torchs_adamw():
+    assert deepspeed_config(TrainConfig())["optimizer"]["params"]["fused"] is True
+    # DeepSpeed's own Adam classes (torch_adam off) take no `fused`: it is dropped, not passed on.
+    own = deepspeed_config(TrainConfig(deepspeed={"optimizer": {"params": {"torch_adam": False}}}))
+    assert "fused" not in own["optimizer"]["params"]
+    off = deepspeed_config(TrainConfig(deepspeed={"optimizer": {"params": {"fused": False}}}))
+    assert off["optimizer"]["params"]["fused"] is False and off["optimizer"]["params"]["torch_adam"] is True

@@ -1,6 +1,7 @@
 """The plain parts of training (no DeepSpeed, no subprocesses): RNG state, FLOPs, seeded layers,
 parameter groups, the metrics log."""
 
+import copy
 import io
 import json
 import random
@@ -187,7 +188,6 @@ def test_precision_auto_takes_bf16_only_where_the_kernels_may_use_it(monkeypatch
     assert hw.resolve_precision("auto") == "fp32" and hw.resolve_precision("bf16") == "bf16"
 
 
-
 def _stage(specs):
     """The layers DeepSpeed specs build, each with how a PipelineModule stage calls it."""
     built = [(spec.build(), getattr(spec, "forward_fn", None)) for spec in specs]
@@ -235,3 +235,82 @@ def test_a_stage_boundary_carries_retros_tuple_as_one_tensor_so_backward_runs_on
     assert pack_boundary(h) is h                                          # a lone h passes as it is
     first_input = (tokens, nbrs)
     assert unpack_boundary(first_input, n_embd=32, chunk_len=16) is first_input       # a stage's input too
+
+
+def test_three_stages_with_packed_cuts_give_the_sequential_models_loss_and_gradients():
+    """Stage by stage, as the pipeline runs them (tensors detached between stages, each stage's
+    backward once per float it sent, as DeepSpeed does): a one-layer middle stage both unpacks
+    and packs; loss and every gradient equal the sequential model's."""
+    from training.model import loss_fn
+    from training.pipeline import layer_specs
+
+    cfg = ModelConfig(kind="retro", n_layer=4, n_head=2, n_embd=32, n_positions=64, chunk_len=16,
+                      encoder_layers=1, encoder_embd=16, encoder_head=2, retro_layers=[2, 4])
+    descs = layer_list(cfg)
+    names = [d.name for d in descs]
+    parts = [0, names.index("blocks.2"), names.index("blocks.3"), len(descs)]   # blocks.2 alone
+    specs = layer_specs(descs, 7, parts, cfg)
+    tied, modules = {}, []
+    for spec in specs:  # a tied module is built once and shared, as DeepSpeed keeps it in sync
+        key = getattr(spec, "key", None)
+        module = tied.setdefault(key, spec.build()) if key else spec.build()
+        modules.append((module, getattr(spec, "forward_fn", None)))
+    tokens = torch.randint(0, cfg.vocab_size, (2, 64))
+    nbrs = torch.randint(0, cfg.vocab_size, (2, 4, 2, 32))
+    labels = torch.randint(0, cfg.vocab_size, (2, 64))
+
+    x, stages = (tokens, nbrs), []
+    for lo, hi in zip(parts, parts[1:]):
+        out = _run(modules[lo:hi], x)
+        outs = out if isinstance(out, tuple) else (out,)
+        received = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in outs)  # the next stage's
+        stages.append((outs, received))
+        x = received if len(received) > 1 else received[0]
+    loss = loss_fn(out, labels)
+    loss.backward()
+    for outs, received in reversed(stages[:-1]):
+        floats = [(t, r.grad) for t, r in zip(outs, received) if t.is_floating_point()]
+        assert len(floats) == 1                                        # one tensor across every cut
+        for i, (t, g) in enumerate(floats):
+            t.backward(g, retain_graph=i < len(floats) - 1)
+
+    seq = build_sequential_seeded(cfg, 7)
+    seq_loss = loss_fn(seq(tokens, nbrs), labels)
+    seq_loss.backward()
+    torch.testing.assert_close(loss, seq_loss)
+    seen = set()
+    for (module, _), name in zip(modules, names):
+        if name in seen:
+            continue
+        seen.add(name)
+        for (pname, p), q in zip(module.named_parameters(), seq.get_submodule(name).parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=f"{name}.{pname}")
+
+
+def test_a_resumed_optimizer_takes_this_runs_settings_and_the_fused_step_runs():
+    """A checkpoint saved by the per-tensor AdamW, loaded into a fused one: torch restores the
+    saved groups (fused=None, other decay and betas); restore_group_settings puts this run's back,
+    and the fused step then makes the per-tensor step's update."""
+    from training.param_groups import restore_group_settings
+
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(8, 4))
+    old = torch.optim.AdamW([{"params": [w], "name": "decay", "weight_decay": 0.5}], lr=0.1, betas=(0.8, 0.9))
+    w.grad = torch.randn(8, 4)
+    old.step()
+    saved = old.state_dict()
+
+    def resumed(fused):
+        p = torch.nn.Parameter(w.detach().clone())
+        opt = torch.optim.AdamW([{"params": [p], "name": "decay", "weight_decay": 0.1}], lr=0.1,
+                                betas=(0.9, 0.95), fused=fused)
+        opt.load_state_dict(copy.deepcopy(saved))  # torch keeps the state's tensors: a file's, not shared
+        assert opt.param_groups[0]["weight_decay"] == 0.5 and opt.param_groups[0]["fused"] is None
+        restore_group_settings(opt, 0.1, (0.9, 0.95), fused)
+        group = opt.param_groups[0]
+        assert (group["weight_decay"], group["betas"], group["fused"]) == (0.1, (0.9, 0.95), fused)
+        p.grad = torch.ones(8, 4)
+        opt.step()
+        return p.detach()
+
+    torch.testing.assert_close(resumed(True), resumed(False))

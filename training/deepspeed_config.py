@@ -42,8 +42,9 @@ def generated_config(train: TrainConfig) -> dict:
         "scheduler": {"type": "WarmupCosineLR", "params": {
             "total_num_steps": train.steps, "warmup_num_steps": max(train.warmup_steps, 1),
             "warmup_min_ratio": 0.0, "cos_min_ratio": train.min_lr / train.lr, "warmup_type": "linear"}},
-        # Non-reentrant recomputation: reentrant checkpointing breaks when two float tensors
-        # (hidden states and encoded neighbours) cross a stage boundary.
+        # Non-reentrant recomputation: reentrant checkpointing broke when RETRO's two float tensors
+        # (hidden states and encoded neighbours) crossed a stage boundary, before they crossed as
+        # one (training/stage_boundary.py); checkpointed ranges inside a stage still pass two.
         "pipeline": {"use_reentrant": False},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
@@ -104,6 +105,9 @@ def deepspeed_config(train: TrainConfig) -> dict:
                 raise ConfigError(f"train.deepspeed.{owned}", f"is set by {instead}; set that instead "
                                   f"(generated: {generated.get(owned)!r}, given: {value!r})")
     merged = _merge(ours, over)
+    opt = merged.get("optimizer", {}).get("params", {}) if isinstance(merged.get("optimizer"), dict) else {}
+    if isinstance(opt, dict) and not opt.get("torch_adam") and "optimizer.params.fused" not in _flatten(over):
+        opt.pop("fused", None)  # ours is torch's argument: DeepSpeed's own Adam classes take none
     stage = merged.get("zero_optimization", {}).get("stage") if isinstance(merged.get("zero_optimization"), dict) \
         else None
     if stage not in (0, 1):

@@ -48,3 +48,25 @@ def parameter_groups(module: nn.Module, weight_decay: float) -> list[dict]:
         groups.append({"name": name, "params": members[name], "weight_decay": weight_decay if name == "decay" else 0.0})
     return groups
 
+
+
+def restore_group_settings(optimizer: torch.optim.Optimizer, weight_decay: float, betas: tuple[float, float],
+                           fused: bool | None) -> None:
+    """After a checkpoint's optimizer state is loaded: this run's settings, not the saved ones.
+
+    torch's `load_state_dict` replaces every group's settings with the checkpoint's, so a run
+    resumed or branched from a checkpoint saved with another weight decay, betas or step kind
+    would keep those. `fused` (torch's one-kernel AdamW step; None where the optimizer has no such
+    setting) also needs each parameter's `step` counter as a float32 tensor on the parameter's
+    device, which torch arranges only when the *saved* group was fused.
+    """
+    for group in optimizer.param_groups:
+        group["weight_decay"] = weight_decay if group.get("name", "decay") == "decay" else 0.0
+        if "betas" in group:
+            group["betas"] = betas
+        if "fused" in group and fused is not None:
+            group["fused"] = fused
+            for p in group["params"] if fused else ():
+                state = optimizer.state.get(p, {})
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].to(device=p.device, dtype=torch.float32)

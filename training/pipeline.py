@@ -42,7 +42,7 @@ from training.deepspeed_config import deepspeed_config  # noqa: E402
 from training.layers import LayerDesc, layer_list, seeded  # noqa: E402
 from training.model import fused_loss_fn, loss_fn  # noqa: E402
 from training.model_io import load_pretrained  # noqa: E402
-from training.param_groups import parameter_groups  # noqa: E402
+from training.param_groups import parameter_groups, restore_group_settings  # noqa: E402
 from training.partition import partition  # noqa: E402
 from training.retro import freeze_trunk, is_retrieval_parameter  # noqa: E402
 from training.run_dir import TrainingError  # noqa: E402
@@ -275,11 +275,12 @@ class Pipeline:
         load_path, _ = self.engine.load_checkpoint(str(ckpt_dir), tag=tag)
         if load_path is None:
             raise TrainingError(f"checkpoint {Path(ckpt_dir) / tag} could not be loaded")
-        # The optimizer state brings the saved groups' settings: this config's decay and betas win.
-        for group in self.engine.optimizer.param_groups:
-            group["weight_decay"] = self.train.weight_decay if group.get("name", "decay") == "decay" else 0.0
-            if "betas" in group:
-                group["betas"] = (self.train.beta1, self.train.beta2)
+        # The optimizer state brings the saved groups' settings: this config's decay, betas and
+        # fused step win (DeepSpeed's ZeRO and bf16 optimizers wrap torch's as .optimizer).
+        params = deepspeed_config(self.train).get("optimizer", {}).get("params", {})
+        inner = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
+        restore_group_settings(inner, self.train.weight_decay, (self.train.beta1, self.train.beta2),
+                               params.get("fused") if params.get("torch_adam") else None)
         if sched is not None:
             for key, value in ours.items():
                 setattr(sched, key, value)

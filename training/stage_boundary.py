@@ -1,12 +1,13 @@
 """What crosses a pipeline cut: RETRO's (h, ids, z) as one float tensor and the ids.
 
 DeepSpeed (0.19.8, `PipelineEngine._exec_backward_pass`) runs a stage's backward once per float
-tensor the stage sent on: `h.backward(g_h, retain_graph=True)`, then `z.backward(g_z)`. RETRO's z
-(the embedded neighbours before the first CCA layer, the encoded ones after it) depends on h
-below the first CCA layer, so every layer down there, and the encoder, ran backward twice: the
-gradients added up right, the time did not (RETRO 12 × 384's stage 0 ran 1.6× the matmuls of its
-layers outside DeepSpeed; docs/benchmarks.md, "One tensor across the cut"). Packed into one
-tensor, a stage runs backward once on any DeepSpeed version. Plain torch: training/pipeline.py
+tensor the stage sent on: `h.backward(g_h, retain_graph=True)`, then `z.backward(g_z)`. After
+the first CCA layer RETRO's z (the encoded neighbours) depends on h below that layer, so every
+layer down there ran backward twice: the gradients added up right, the time did not (RETRO
+12 × 384's stage 0 ran 1.6× the matmuls of its layers outside DeepSpeed; docs/benchmarks.md,
+"One tensor across the cut"). Before it, z (the embedded neighbours) shares only the token
+embedding's lookup with h, whose backward ran twice. Packed into one tensor, a stage runs
+backward once on any DeepSpeed version. Plain torch: training/pipeline.py
 wraps the layers either side of each cut with these.
 """
 
@@ -19,8 +20,10 @@ def pack_boundary(x):
     """RETRO's (h, ids, z) as (hz, ids), hz (b, n·d + l·k·r·w): its two float tensors as one.
     Anything else (GPT-2's h, RETRO's h after the last CCA layer) passes unchanged."""
     if (isinstance(x, tuple) and len(x) == 3 and x[0].is_floating_point() and x[2].is_floating_point()
-            and not x[1].is_floating_point() and x[0].dtype == x[2].dtype):
+            and not x[1].is_floating_point()):
         h, ids, z = x
+        if h.dtype != z.dtype:  # one model, one dtype: anything else is a bug upstream, not a case
+            raise TypeError(f"pack_boundary: h is {h.dtype} but the neighbours are {z.dtype}")
         return torch.cat([h.flatten(1), z.flatten(1)], dim=1), ids
     return x
 
