@@ -48,5 +48,5 @@ def at_boundary(forward_fn, pack: bool, unpack):
 
 def class_at_boundary(cls: type, pack: bool, unpack) -> type:
     """`cls` (same name, same parameters) whose forward is wrapped as at_boundary does."""
-    fn = at_boundary(lambda module, x: cls.forward(module, x), pack, unpack)
+    fn = at_boundary(cls.forward, pack, unpack)
     return type(cls.__name__, (cls,), {"forward": lambda self, x: fn(self, x)})
