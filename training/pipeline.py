@@ -197,6 +197,17 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+def _frozen_tied_weights_have_no_gradient(module: RetroPipeModule) -> None:
+    """Every step the pipeline engine all-reduces each tied weight's gradient between the stages
+    that hold it; under bf16 it reads the fp32 gradient `_hp_grad` that DeepSpeed's bf16 optimizer
+    attaches to the parameters it trains. A frozen tied weight (the token embedding of a RETRO-fit)
+    is not trained, so it has none: it is given None, which the engine skips, as it skips a None
+    `.grad` in fp32."""
+    for weight, _ in module.get_tied_weights_and_groups():
+        if not weight.requires_grad and not hasattr(weight, "_hp_grad"):
+            weight._hp_grad = None
+
+
 class Pipeline:
     """This rank's stage of the DeepSpeed pipeline engine, seen through what the loop needs.
 
@@ -216,6 +227,7 @@ class Pipeline:
         with _quiet_prints():
             self.engine, *_ = deepspeed.initialize(model=module, model_parameters=groups,
                                                    config=deepspeed_config(train))
+        _frozen_tied_weights_have_no_gradient(module)
         grid = self.engine.grid
         self.dp_rank, self.dp_world = grid.get_data_parallel_rank(), grid.get_data_parallel_world_size()
         self.stage = grid.get_pipe_parallel_rank()
