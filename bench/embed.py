@@ -34,14 +34,14 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from data.config import DEFAULT_CORPUS, DataConfig  # noqa: E402
-from data.prepare import prepare  # noqa: E402
-from data.store import ChunkStore  # noqa: E402
-from data.tokenizer import get_tokenizer  # noqa: E402
-from launch.ray_utils import RayExecutor  # noqa: E402
-from retrieval.embed import (SUB_BATCH, EmbedJob, EmbedSpec, chunk_texts, embed, load_embedder,  # noqa: E402
-                             plan_jobs, resolve_model_path)
-from retrieval.ray_embed import EmbedChunks, RayEmbedRunner  # noqa: E402
+from retropipe.data.config import DEFAULT_CORPUS, DataConfig  # noqa: E402
+from retropipe.data.prepare import prepare  # noqa: E402
+from retropipe.data.store import ChunkStore  # noqa: E402
+from retropipe.data.tokenizer import get_tokenizer  # noqa: E402
+from retropipe.launch.ray_utils import RayExecutor  # noqa: E402
+from retropipe.retrieval.embed import (SUB_BATCH, EmbedJob, EmbedSpec, chunk_texts, embed, load_embedder,  # noqa: E402
+                                       plan_jobs, resolve_model_path)
+from retropipe.retrieval.ray_embed import EmbedChunks, RayEmbedRunner  # noqa: E402
 
 
 def sync(device: str) -> None:

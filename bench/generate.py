@@ -5,7 +5,7 @@
 
 Randomly initialised models of a preset (GPT-2 and its RETRO twin, chunk_len 64, k = 2
 neighbours), greedy decoding of --new tokens after a --prompt-token prompt, --samples sequences
-per batch (training/sampling.py `generate_samples`). RETRO's neighbours come from a stub that
+per batch (training/evaluation/sampling.py `generate_samples`). RETRO's neighbours come from a stub that
 returns fixed random ids (no embedder, no FAISS): the figures are the model's, not retrieval's.
 With and without the cache alternate --repeat times, so machine noise hits both; the best time of
 each is printed with tokens/s (new tokens over wall time, prompt included) and the ratio, and the
@@ -16,17 +16,15 @@ presets) to measure the cache; beyond it the GPT-2 cache refills at every step (
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="tiny", help="model preset (training/config.py MODEL_PRESETS)")
+    parser.add_argument("--preset", default="tiny", help="model preset (training/models/config.py MODEL_PRESETS)")
     parser.add_argument("--kinds", default="gpt2,retro", help="comma-separated model kinds")
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens")
     parser.add_argument("--new", type=int, default=192, help="new tokens per sequence")
@@ -40,11 +38,11 @@ def main() -> None:
     import numpy as np
     import torch
 
-    from launch.cli import resolve_device
-    from training.config import ModelConfig
-    from training.hardware import describe
-    from training.model_io import build_model
-    from training.sampling import generate_samples
+    from retropipe.launch.cli import resolve_device
+    from retropipe.training.evaluation.sampling import generate_samples
+    from retropipe.training.models.build import build_model
+    from retropipe.training.models.config import ModelConfig
+    from retropipe.training.run.hardware import describe
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -28,13 +28,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
-from retrieval.embed import Embeddings  # noqa: E402
-from retrieval.files import save_npy  # noqa: E402
-from retrieval.index import build_index, load_index, recall_at_k, search, set_search_params  # noqa: E402
+from retropipe.retrieval.embed import Embeddings  # noqa: E402
+from retropipe.retrieval.files import save_npy  # noqa: E402
+from retropipe.retrieval.index import build_index, load_index, recall_at_k, search, set_search_params  # noqa: E402
 
 
 class ClusteredVectors:

@@ -21,15 +21,14 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 VOCAB = 50257
 
 
 def worker(args) -> None:
     import torch
 
-    from training.lm_head import lm_loss
-    from training.model import loss_fn
+    from retropipe.training.models.gpt2 import loss_fn
+    from retropipe.training.models.lm_head import lm_loss
 
     torch.manual_seed(0)
     h = torch.randn(1, args.tokens, args.d, requires_grad=True)
@@ -67,7 +66,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         return worker(args)
-    from training.hardware import describe
+    from retropipe.training.run.hardware import describe
 
     print(describe())
     print(f"{args.tokens} tokens × width {args.d} → {VOCAB:,} logits; fp32; {os.cpu_count()} threads; "

@@ -19,14 +19,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from training.config import ModelConfig  # noqa: E402
-from training.flops import flops_per_token, mfu  # noqa: E402
-from training.model import GPT2, loss_fn  # noqa: E402
-from training.retro import Retro  # noqa: E402
+from retropipe.training.models.build import build_model  # noqa: E402
+from retropipe.training.models.config import ModelConfig  # noqa: E402
+from retropipe.training.models.flops import flops_per_token, mfu  # noqa: E402
+from retropipe.training.models.gpt2 import loss_fn  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -38,8 +37,8 @@ def sync(device: str) -> None:
 
 def matmul_flops(device: str, dtype: torch.dtype, size: int, reps: int) -> float:
     """Best achieved FLOP/s of a size×size matmul: the denominator of the MFU, measured as the
-    training log measures it (training/hardware.py), for about `reps` products."""
-    from training.hardware import matmul_flops_per_s
+    training log measures it (training/run/hardware.py), for about `reps` products."""
+    from retropipe.training.run.hardware import matmul_flops_per_s
 
     a = torch.randn(size, size, device=device, dtype=dtype)
     sync(device)
@@ -113,7 +112,7 @@ def main(argv=None) -> int:
         models = {}
         for kind in ("gpt2", "retro"):
             cfg = ModelConfig.preset(preset, kind=kind, chunk_len=args.chunk_len)
-            models[kind] = (cfg, (Retro if kind == "retro" else GPT2)(cfg).to(device))
+            models[kind] = (cfg, build_model(cfg).to(device))
         for label, dtype in dtypes.items():
             measure_peak()
             runs = {kind: (model, (x, y) if kind == "gpt2" else (x, neighbours.to(device), y))

@@ -23,19 +23,18 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
-from data.config import DataConfig  # noqa: E402
-from data.prepare import prepare  # noqa: E402
-from data.store import ChunkStore  # noqa: E402
-from retrieval.config import RetrievalConfig  # noqa: E402
-from retrieval.embed import Embeddings, embed_store  # noqa: E402
-from retrieval.files import read_json  # noqa: E402
-from retrieval.index import build_index, load_index  # noqa: E402
-from retrieval.neighbours import query_neighbours  # noqa: E402
+from retropipe.data.config import DataConfig  # noqa: E402
+from retropipe.data.prepare import prepare  # noqa: E402
+from retropipe.data.store import ChunkStore  # noqa: E402
+from retropipe.retrieval.config import RetrievalConfig  # noqa: E402
+from retropipe.retrieval.embed import Embeddings, embed_store  # noqa: E402
+from retropipe.retrieval.files import read_json  # noqa: E402
+from retropipe.retrieval.index import build_index, load_index  # noqa: E402
+from retropipe.retrieval.neighbours import query_neighbours  # noqa: E402
 
 
 def open_build(workdir: Path) -> tuple[ChunkStore, Embeddings]:
@@ -49,8 +48,8 @@ def open_build(workdir: Path) -> tuple[ChunkStore, Embeddings]:
 
 def fresh_build(tmp: Path) -> tuple[ChunkStore, Embeddings]:
     """Prepare and embed the shipped corpus (a few minutes on 2 cores)."""
-    from launch.ray_utils import RayExecutor
-    from retrieval.ray_embed import RayEmbedRunner
+    from retropipe.launch.ray_utils import RayExecutor
+    from retropipe.retrieval.ray_embed import RayEmbedRunner
 
     prepare(DataConfig(), tmp / "data", progress=False)
     store = ChunkStore(tmp / "data")

@@ -12,19 +12,17 @@ from __future__ import annotations
 
 import argparse
 import resource
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-from data.config import DEFAULT_CORPUS, DataConfig  # noqa: E402
-from data.prepare import prepare  # noqa: E402
-from data.readers import read_documents  # noqa: E402
-from data.tokenizer import get_tokenizer  # noqa: E402
-from launch.ray_utils import RayExecutor  # noqa: E402
+from retropipe.data.config import DEFAULT_CORPUS, DataConfig  # noqa: E402
+from retropipe.data.prepare import prepare  # noqa: E402
+from retropipe.data.readers import read_documents  # noqa: E402
+from retropipe.data.tokenizer import get_tokenizer  # noqa: E402
+from retropipe.launch.ray_utils import RayExecutor  # noqa: E402
 
 
 def peak_rss_mb() -> float:

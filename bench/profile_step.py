@@ -4,7 +4,7 @@
     # an AVX2-only CPU's kernels on an AVX-512 machine (same ISA paths, not the same chip):
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python bench/profile_step.py --precision fp32
 
-The model is the layer list the pipeline runs (training/layers.py), with the fused LM head as
+The model is the layer list the pipeline runs (training/models/layers.py), with the fused LM head as
 training uses it, one process on all cores. Prints, per shape and kind, the step time and the
 time of each phase (trunk forward, fused head + loss, backward, optimizer) and the top operators
 by self CPU time with their share of the step.
@@ -19,15 +19,14 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
-from training.config import ModelConfig  # noqa: E402
-from training.hardware import describe, resolve_precision  # noqa: E402
-from training.layers import build_sequential  # noqa: E402
-from training.model import fused_loss_fn  # noqa: E402
+from retropipe.training.models.build import build_model  # noqa: E402
+from retropipe.training.models.config import ModelConfig  # noqa: E402
+from retropipe.training.models.gpt2 import fused_loss_fn  # noqa: E402
+from retropipe.training.run.hardware import describe, resolve_precision  # noqa: E402
 
 # Shapes: "tiny" is the demo's model (configs/tiny.yaml), 12x384 the balanced pipeline benchmark's.
 SHAPES = {"tiny": dict(n_layer=4, n_head=4, n_embd=128, n_positions=256, encoder_layers=2, encoder_embd=64,
@@ -45,7 +44,7 @@ def batch_for(cfg: ModelConfig, batch: int, seq_len: int, k: int, g: torch.Gener
     return (x, neighbours), y
 
 
-# The fused head computes its gradients in its forward (training/lm_head.py), so "head + loss"
+# The fused head computes its gradients in its forward (training/models/lm_head.py), so "head + loss"
 # is the whole head, forward and backward; "backward" is the trunk's (and the encoder's).
 PHASES = ("trunk forward", "head + loss", "backward", "optimizer")
 
@@ -66,7 +65,7 @@ def step(model, opt, inputs, labels, dtype) -> None:
 def profile_one(shape: str, kind: str, precision: str, batch: int, seq_len: int, top: int) -> None:
     cfg = ModelConfig(kind=kind, chunk_len=64, **SHAPES[shape])
     torch.manual_seed(0)
-    model = build_sequential(cfg, fused_head=True).train()
+    model = build_model(cfg, fused_head=True).train()
     # DeepSpeed's ZeRO-1 updates one flat fp32 buffer per parameter group, a few passes over one
     # big tensor; torch's per-tensor AdamW on CPU (foreach falls back to a loop there) would be
     # 25% of a tiny step that training never pays. The fused kernel is the closest stand-in.

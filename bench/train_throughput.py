@@ -15,7 +15,7 @@ tokens, random tokens; RETRO gets 2 random neighbours of 2 · chunk_len tokens p
   thread policies to compare: "split" gives each process cores / processes threads (one core
   each here); "shared" gives every process all cores with OMP_WAIT_POLICY=PASSIVE, so the core
   of a stage that waits for its neighbour works for the busy one (launch/train.py's default).
-  `--fused-head` lists the LM-head paths to compare (training/lm_head.py; single and pipeline alike).
+  `--fused-head` lists the LM-head paths to compare (training/models/lm_head.py; single and pipeline alike).
 
 Prints tokens/s of both, the largest peak RSS of a pipeline rank, their ratio (goal on a 2-core CPU: pipeline ≥ 0.85× single; the bubble
 bound is M / (M + P - 1) for M micro-batches and P stages) and MFU against the machine's matmul
@@ -38,12 +38,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 
 def configs(args, kind: str):
-    from training.config import MODEL_PRESETS, ModelConfig, TrainConfig
+    from retropipe.training.models.config import MODEL_PRESETS, ModelConfig
+    from retropipe.training.run.config import TrainConfig
 
     shape = {**MODEL_PRESETS[args.preset], "n_positions": max(args.seq_len, 64)}
     for key in ("n_layer", "n_embd", "n_head"):
@@ -72,14 +72,14 @@ def run_single(args, kind: str) -> float:
     """Tokens/s of the plain loop (best step after warm-up), all cores in one process."""
     import torch
 
-    from training.model import fused_loss_fn, loss_fn
-    from training.layers import build_sequential_seeded
+    from retropipe.training.models.build import build_model
+    from retropipe.training.models.gpt2 import fused_loss_fn, loss_fn
 
     torch.set_num_threads(os.cpu_count() or 1)
     model_cfg, train = configs(args, kind)
-    model = build_sequential_seeded(model_cfg, train.seed, fused_head=train.fused_head).train()
+    model = build_model(model_cfg, layer_seed=train.seed, fused_head=train.fused_head).train()
     loss_of = fused_loss_fn if train.fused_head else lambda logits, labels: loss_fn(logits.float(), labels)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # as training/deepspeed_config.py
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # as training/pipeline/deepspeed_config.py
     rng = torch.Generator().manual_seed(0)
     batches = [random_micro_batch(model_cfg, train, rng) for _ in range(train.micro_batches)]
     times = []
@@ -102,9 +102,9 @@ def worker(args) -> None:
     import deepspeed
     import torch
 
-    from training.deepspeed_config import deepspeed_config
-    from training.hardware import peak_memory_mb
-    from training.pipeline import build_pipeline
+    from retropipe.training.pipeline.deepspeed_config import deepspeed_config
+    from retropipe.training.pipeline.deepspeed_engine import build_pipeline
+    from retropipe.training.run.hardware import peak_memory_mb
 
     deepspeed.init_distributed(dist_backend="gloo")
     model_cfg, train = configs(args, args.worker)
@@ -129,7 +129,7 @@ def worker(args) -> None:
     if torch.distributed.get_rank() == 0:
         print("RESULT " + json.dumps({"tokens_per_s": tokens / min(times[args.warmup:]), "parts": parts}), flush=True)
     # As launch/train.py: gloo's threads can abort a finished rank in the interpreter's teardown.
-    from training.pipeline import shutdown
+    from retropipe.training.pipeline.deepspeed_engine import shutdown
     shutdown()
     sys.stdout.flush()
     os._exit(0)
@@ -137,7 +137,7 @@ def worker(args) -> None:
 
 def run_pipeline(args, kind: str, policy: str) -> tuple[float, list[int], float]:
     """Tokens/s of the pipeline (best step after warm-up), its cut, the largest peak RSS of a rank."""
-    from training.hardware import thread_environment
+    from retropipe.training.run.hardware import thread_environment
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -185,8 +185,8 @@ def main() -> None:
 
     import torch
 
-    from training.flops import flops_per_token, mfu
-    from training.hardware import describe, matmul_flops_per_s
+    from retropipe.training.models.flops import flops_per_token, mfu
+    from retropipe.training.run.hardware import describe, matmul_flops_per_s
 
     torch.set_num_threads(os.cpu_count() or 1)
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32

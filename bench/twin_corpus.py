@@ -9,7 +9,7 @@ document's own neighbours) but shares most of its text: where RETRO reads its ne
 twin in the training split predicts the document in the validation split almost perfectly.
 Documents and twins are written in a shuffled order under their own ids, so a document and its
 twin seldom share a training sequence (whose documents neighbours may not come from).
-The RETRO[ON] vs RETRO[OFF] goal on this corpus is in docs/results.md.
+docs/results.md ("Twin documents") reports RETRO[ON] vs RETRO[OFF] on long twins.
 
 Only chunks after a document's first can be helped (chunk u reads the neighbours of chunk u − 1),
 so a corpus of short documents (the embedded dictionaries: 2.7 chunks each) bounds what copying
@@ -27,7 +27,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 SENTENCE = re.compile(r"(?<=[.!?])\s+")
 SENTENCE_KEEP = re.compile(r"(?<=[.!?])(\s+)")  # the same split, keeping each separator
@@ -37,10 +36,9 @@ def edited(text: str, drop: float, rng: random.Random, reflow: bool = False) -> 
     """The text with a share of its sentences dropped (never all, at least one if there are two).
 
     Everything else stays as it was, whitespace included, so the twin tokenizes like the original
-    except where a sentence is gone. `reflow` also joins the kept sentences with one space, as the
-    first version of this script did (the twin corpora of docs/results.md before 2026-11-24's long
-    twins): every newline after a sentence then becomes a space, which shifts the twin's tokens
-    against the original's at every such sentence end.
+    except where a sentence is gone. `reflow` also joins the kept sentences with one space: every
+    newline after a sentence then becomes a space, which shifts the twin's tokens against the
+    original's at every such sentence end (a harder twin; `--reflow`).
     """
     if reflow:
         sentences = [s for s in SENTENCE.split(text.strip()) if s.strip()]
@@ -69,7 +67,7 @@ def _one_word_less(text: str, rng: random.Random) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from data.readers import BadRecords, read_documents
+    from retropipe.data.readers import BadRecords, read_documents
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--corpus", default=str(ROOT / "corpus" / "jargon_devil.jsonl.gz"))

@@ -10,14 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-
-class ConfigError(ValueError):
-    """A config value is unknown, of the wrong type or impossible. `key` is dotted (data.chunk_len)."""
-
-    def __init__(self, key: str, message: str, source: str | None = None):
-        self.key, self.source = key, source
-        where = f" in {source}" if source else ""
-        super().__init__(f"config key '{key}'{where}: {message}")
+from retropipe.data.errors import ConfigError
 
 
 def require(condition: bool, key: str, message: str) -> None:

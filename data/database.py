@@ -22,13 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
-from data.alignment import MIN_MATCH_FRACTION, aligned_windows, best_shifts
-from data.readers import DataError
-from data.stage import read_json
-from data.store import ChunkStore, SplitChunks
+from retropipe.data.errors import BUILD_DATABASE, DataError
+from retropipe.data.stage import read_json
+from retropipe.data.store import ChunkStore, SplitChunks
 
 DATABASE_FILE = "database.json"
-REBUILD = "python launch/build_index.py --config <your config>"
 
 
 @dataclass
@@ -56,16 +54,16 @@ class Database:
     def __init__(self, root: str | Path):
         self.root = Path(root)
         path = self.root / DATABASE_FILE
-        self.manifest = read_json(path, rerun=f"build it again: {REBUILD}")
+        self.manifest = read_json(path, rerun=f"build it again: {BUILD_DATABASE}")
         if self.manifest is None:
-            raise DataError(f"no retrieval database at {self.root} (missing {path}); build it: {REBUILD}")
+            raise DataError(f"no retrieval database at {self.root} (missing {path}); build it: {BUILD_DATABASE}")
         self.fingerprint: str = self.manifest["fingerprint"]
         self.parts: list[Part] = []
         for entry in self.manifest["parts"]:
             store = ChunkStore(resolve_part_path(self.root, entry, "data"))
             if store.fingerprint != entry["fingerprint"]:
                 raise DataError(f"stale retrieval database {path}: part {entry['name']!r} was built from chunk store "
-                                f"{entry['fingerprint']}, but {store.root} is now {store.fingerprint}; rebuild it: {REBUILD}")
+                                f"{entry['fingerprint']}, but {store.root} is now {store.fingerprint}; rebuild it: {BUILD_DATABASE}")
             self.parts.append(Part(entry["name"], store, int(entry["offset"]), int(entry["chunks"])))
         self.chunk_len: int = self.parts[0].store.chunk_len
         self.tokenizer: str = self.parts[0].store.manifest["tokenizer"]
@@ -135,26 +133,16 @@ class Database:
         ids = np.asarray(ids, dtype=np.int64)
         return np.where((ids >= 0) & (self.positions[np.maximum(ids, 0)] > 0), ids - 1, -1)
 
-    def neighbour_tokens(self, ids: np.ndarray, query: np.ndarray | None = None,
-                         aligned_only: bool = False) -> np.ndarray:
+    def neighbour_tokens(self, ids: np.ndarray) -> np.ndarray:
         """Chunks ids (..., k), -1 = none, each followed by its continuation: (..., k, r) int64, -1 = missing.
+        (data/reading.py decides what a chunk reads of them.)"""
+        ids = np.asarray(ids, dtype=np.int64)
+        return np.concatenate([self.chunk_tokens(ids), self.chunk_tokens(self.next_chunks(ids))], axis=-1)
 
-        With `query` (..., chunk_len) int64 tokens (-1 = none) of the chunks the neighbours were retrieved
-        for, each window is aligned to its query chunk (data/alignment.py); with `aligned_only` too, a
-        neighbour that does not line up is missing (all -1).
-        """
+    def regions(self, ids: np.ndarray) -> np.ndarray:
+        """The 4 · chunk_len tokens of each chunk's document around it (the chunk before, the chunk,
+        two after): ids (...) → (..., 4 · chunk_len) int64, -1 = none; what alignment slides over."""
         ids = np.asarray(ids, dtype=np.int64)
         nxt = self.next_chunks(ids)
-        if query is None:
-            return np.concatenate([self.chunk_tokens(ids), self.chunk_tokens(nxt)], axis=-1)
-        m = self.chunk_len
-        around = np.stack([self.previous_chunks(ids), ids, nxt, self.next_chunks(nxt)], axis=-1)  # (..., k, 4)
-        region = self.chunk_tokens(around).reshape(-1, 4 * m)                                     # (.. k, 4m)
-        k = ids.shape[-1]
-        q = np.repeat(np.asarray(query, dtype=np.int64).reshape(-1, m), k, axis=0)                # (.. k, m)
-        shifts, lined_up = best_shifts(q, region, min_match=int(MIN_MATCH_FRACTION * m))
-        shifts[ids.reshape(-1) < 0] = 0
-        windows = aligned_windows(region, shifts, self.r)                                         # (.. k, r)
-        if aligned_only:
-            windows[~lined_up] = -1
-        return windows.reshape(*ids.shape, self.r)
+        around = np.stack([self.previous_chunks(ids), ids, nxt, self.next_chunks(nxt)], axis=-1)  # (..., 4)
+        return self.chunk_tokens(around).reshape(*ids.shape, 4 * self.chunk_len)

@@ -28,11 +28,12 @@ from typing import Iterator
 import numpy as np
 import pyarrow as pa
 
-from data.chunking import SPLITS, Block, tokenize_block
-from data.config import DataConfig
-from data.readers import BadRecords, DataError, read_documents
-from data.stage import Executor, atomic_write, fault_point, fingerprint, output_settings, serial_executor
-from data.tokenizer import get_tokenizer
+from retropipe.data.chunking import SPLITS, Block, tokenize_block
+from retropipe.data.config import DataConfig
+from retropipe.data.errors import DataError
+from retropipe.data.readers import BadRecords, read_documents
+from retropipe.data.stage import Executor, atomic_write, fault_point, fingerprint, output_settings, serial_executor
+from retropipe.data.tokenizer import get_tokenizer
 
 # 2: documents.arrow has text_hash (exact-duplicate detection for the retrieval database).
 MANIFEST_VERSION = 2

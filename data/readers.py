@@ -19,15 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from retropipe.data.errors import DataError
+
 SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
 # What `datasets.Dataset.save_to_disk` / `DatasetDict.save_to_disk` write at the top of a directory.
 SAVED_DATASET_FILES = ("state.json", "dataset_dict.json")
 # The `corpora` extra holds the readers' optional libraries.
 INSTALL_HINT = "pip install 'retropipe[corpora]'"
-
-
-class DataError(ValueError):
-    """Bad input data or a bad data directory; the message names the file (and line)."""
 
 
 @dataclass

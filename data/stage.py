@@ -18,6 +18,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 from pathlib import Path
@@ -25,11 +26,7 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from data.readers import DataError
-
-
-class StageError(DataError):
-    """A stage file is missing, corrupt or stale; the message names the file and what to rerun."""
+from retropipe.data.errors import StageError
 
 
 def tmp_path(path: Path) -> Path:
@@ -93,6 +90,16 @@ def sha256_file(path: Path) -> str:
 def fingerprint(obj) -> str:
     """A stable 16-hex-digit hash of a JSON-able object."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def path_tag(path: str | Path) -> str:
+    """A readable, unique directory name for a file or directory: its stem and a hash of its resolved
+    path ("second_edition-1a2b3c4d"; a database's `<workdir>/retrieval` is named by its workdir)."""
+    resolved = Path(path).expanduser().resolve()
+    digest = hashlib.blake2b(str(resolved).encode(), digest_size=4).hexdigest()
+    parts = [p for p in resolved.parts if p not in ("/", "retrieval")]
+    name = re.sub(r"[^\w-]+", "_", (parts[-1] if parts else "db").split(".")[0]).strip("_") or "corpus"
+    return f"{name}-{digest}"
 
 
 def output_settings(section) -> dict:

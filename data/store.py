@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from data.chunking import SPLITS
-from data.readers import DataError
+from retropipe.data.chunking import SPLITS
+from retropipe.data.errors import DataError
 
 
 def _open_ipc(path: Path) -> pa.Table:

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import tiktoken
 
+from retropipe.data.errors import TokenizerError
+
 # The hashes tiktoken_ext.openai_public.gpt2 pins for these two files.
 GPT2_FILES = {
     "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
@@ -22,10 +24,6 @@ GPT2_FILES = {
 }
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 ENDOFTEXT = "<|endoftext|>"
-
-
-class TokenizerError(RuntimeError):
-    pass
 
 
 def gpt2_vocab_dir() -> Path:

@@ -16,13 +16,11 @@ import os
 import sys
 from pathlib import Path
 
-from data.config import ConfigError
-from data.readers import DataError
-from data.store import ChunkStore
-from data.tokenizer import TokenizerError
-from launch.cli import config_from_args, entry_parser, quiet_engines
-from launch.config import save_config
-from launch.ray_utils import ClusterError, RayExecutor
+from retropipe.data.errors import ClusterError, ConfigError, DataError, TokenizerError
+from retropipe.data.store import ChunkStore
+from retropipe.launch.cli import config_from_args, entry_parser, quiet_engines
+from retropipe.launch.config import save_config
+from retropipe.launch.ray_utils import RayExecutor
 
 
 def open_chunk_store(data_dir: Path, workdir: str) -> ChunkStore:
@@ -48,9 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = entry_parser(__doc__, ray=True)
     args = parser.parse_args(argv)
     quiet_engines(args.verbose)
-    from retrieval.build import build_retrieval, summary
-    from retrieval.config import RetrievalError
-    from retrieval.ray_embed import RayEmbedRunner
+    from retropipe.data.errors import RetrievalError
+    from retropipe.retrieval.build import build_retrieval, summary
+    from retropipe.retrieval.ray_embed import RayEmbedRunner
 
     executor = None
     try:

@@ -19,8 +19,8 @@ import sys
 
 import yaml
 
-from data.config import ConfigError
-from launch.config import Config, load_config
+from retropipe.data.errors import ConfigError
+from retropipe.launch.config import Config, load_config
 
 
 def entry_parser(doc: str | None, config: bool = True, progress: bool = True, device: bool = False,

@@ -17,9 +17,12 @@ from pathlib import Path
 
 import yaml
 
-from data.config import ConfigError, DataConfig
-from retrieval.config import RetrievalConfig
-from training.config import EvalConfig, ModelConfig, TrainConfig
+from retropipe.data.config import DataConfig
+from retropipe.data.errors import ConfigError
+from retropipe.retrieval.config import RetrievalConfig
+from retropipe.training.evaluation.config import EvalConfig
+from retropipe.training.models.config import ModelConfig
+from retropipe.training.run.config import TrainConfig
 
 
 @dataclass
@@ -200,7 +203,7 @@ def _validate_across_sections(cfg: Config, source: str) -> None:
     for key in ("neighbours", "more_neighbours"):
         if getattr(cfg.eval, key) > cfg.retrieval.k:
             raise ConfigError(f"eval.{key}", f"{getattr(cfg.eval, key)} exceeds retrieval.k ({cfg.retrieval.k})", source)
-    if cfg.model.kind == "retro" and cfg.train.neighbours > cfg.retrieval.k:
+    if cfg.model.retrieves and cfg.train.neighbours > cfg.retrieval.k:
         raise ConfigError("train.neighbours", f"{cfg.train.neighbours} exceeds retrieval.k "
                           f"({cfg.retrieval.k}), the neighbours stored per chunk", source)
     if cfg.model.freeze_trunk and not cfg.train.init_from:

@@ -38,7 +38,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 # The opening of the Jargon File's "kluge" entry, in the validation split of the embedded corpus
 # (data.seed 1234): 72 tokens, one whole chunk to retrieve with.
@@ -65,9 +64,9 @@ def older_runs(config: str, plan: list[tuple[str, list[str]]]) -> str | None:
     so the demo names every such directory before any stage runs."""
     import yaml
 
-    from launch.config import load_config
-    from launch.train import as_run, run_dir_of
-    from training.run_dir import run_dir_conflict
+    from retropipe.launch.config import load_config
+    from retropipe.launch.train import as_run, run_dir_of
+    from retropipe.training.run.run_dir import run_dir_conflict
 
     found = []
     for _, cmd in plan:
@@ -88,7 +87,7 @@ def older_runs(config: str, plan: list[tuple[str, list[str]]]) -> str | None:
 
 
 def stages(config: str, corpus: str, overrides: list[str], nproc: int, workdir: Path) -> list[tuple[str, list[str]]]:
-    from launch.cli import engines_verbose
+    from retropipe.launch.cli import engines_verbose
 
     sets = [a for o in overrides for a in ("--set", o)]
     py = sys.executable
@@ -121,8 +120,8 @@ def stages(config: str, corpus: str, overrides: list[str], nproc: int, workdir: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from launch.cli import config_from_args, entry_parser, quiet_engines
-    from launch.config import load_config
+    from retropipe.launch.cli import config_from_args, entry_parser, quiet_engines
+    from retropipe.launch.config import load_config
 
     parser = entry_parser(__doc__, progress=False)
     parser.set_defaults(config="configs/tiny.yaml")

@@ -12,78 +12,22 @@ report.json, config.yaml and PNG plots into --out (default <workdir>/reports) an
 `--corpus PATH` evaluates any held-out corpus (prepared with the training tokenizer, every
 document held out); `--database DIR` retrieves from another database built by
 launch/build_index.py (a bigger one, say) instead of <workdir>/retrieval: no retraining.
-`eval.database_curve` adds the database-size curve. The rules (rows, α) are training/evaluate.py's.
+`eval.database_curve` adds the database-size curve. The rules (rows, α) are training/evaluation/evaluate.py's.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import re
 import sys
 from pathlib import Path
 
-from data.alignment import ALIGNMENT_RULE
-from data.config import ConfigError
-from data.readers import DataError
-from launch.cli import config_from_args, entry_parser, quiet_engines, resolve_device
-from launch.config import save_config
+from retropipe.data.errors import ConfigError, DataError
+from retropipe.data.stage import path_tag
+from retropipe.launch.cli import config_from_args, entry_parser, quiet_engines, resolve_device
+from retropipe.launch.config import save_config
 
 
 def model_dir_of(path: Path) -> Path:
     return path / "model" if (path / "model" / "config.json").exists() else path
-
-
-def _tag(path: str) -> str:
-    """A readable, unique directory name for a corpus or database path."""
-    digest = hashlib.blake2b(str(Path(path).resolve()).encode(), digest_size=4).hexdigest()
-    parts = [p for p in Path(path).resolve().parts if p not in ("/", "retrieval")]
-    name = re.sub(r"[^\w-]+", "_", (parts[-1] if parts else "db").split(".")[0]).strip("_") or "corpus"
-    return f"{name}-{digest}"
-
-
-def stored_embeddings(cfg, store):
-    """The build's embeddings of `store` (the training data), or None: a held-out corpus is embedded anew."""
-    from data.stage import read_json
-    from retrieval.embed import Embeddings
-
-    manifest = read_json(cfg.retrieval_dir / "embeddings" / "manifest.json")
-    if manifest and manifest.get("chunk_store_fingerprint") == store.fingerprint:
-        return Embeddings(cfg.retrieval_dir / "embeddings", manifest)
-    return None
-
-
-def neighbour_sources(cfg, store, split: str, out: Path, database_dir: Path, device: str = "cpu"):
-    """(neighbours of the evaluated split, database-size curve [(label, tokens, neighbours)]).
-
-    Queries not in the build's neighbours are embedded (and searched, where FAISS can) on `device`."""
-    from data.neighbours import NeighbourStore
-    from retrieval.heldout import database_subset, split_neighbours
-    from retrieval.query import Retriever
-
-    own = store.root.resolve() == cfg.data_dir.resolve() and database_dir.resolve() == cfg.retrieval_dir.resolve()
-    retriever = None
-    if own:  # the training data against its own database: the neighbours the build computed
-        neighbours = NeighbourStore.of(cfg.retrieval_dir, store, align=cfg.retrieval.align_neighbours,
-                                       aligned_only=cfg.retrieval.aligned_only)
-    else:
-        retriever = Retriever(database_dir, cfg.retrieval, device=device)
-        neighbours = split_neighbours(retriever, store, split, out / "neighbours" / _tag(str(database_dir)),
-                                      cfg.retrieval, stored_embeddings(cfg, store), device=device)
-    curve = []
-    if cfg.eval.database_curve:
-        retriever = retriever or Retriever(database_dir, cfg.retrieval, device=device)
-        if len(retriever.database.parts) < 2:
-            raise ConfigError("eval.database_curve", f"the database at {database_dir} holds the training split only; "
-                              f"add corpora with retrieval.corpora (and run launch/build_index.py) to grow it")
-        query_emb = stored_embeddings(cfg, store)
-        for fraction in sorted(set(cfg.eval.database_curve)):
-            allowed, tokens = database_subset(retriever.database, fraction, cfg.retrieval.seed)
-            label = "training split" if fraction == 0 else f"+{fraction:.1%} of the further corpora"
-            nbrs = split_neighbours(retriever, store, split, out / "neighbours" / f"{_tag(str(database_dir))}-{fraction:g}",
-                                    cfg.retrieval, query_emb, allowed, device=device)
-            curve.append((label, tokens, nbrs))
-    return neighbours, curve
 
 
 def evaluate(cfg, checkpoints: list[Path], split: str, out: Path, corpus: str | None = None,
@@ -91,18 +35,18 @@ def evaluate(cfg, checkpoints: list[Path], split: str, out: Path, corpus: str | 
     """Score every checkpoint on `split` (or on a held-out corpus); write the report files into out."""
     from tqdm import tqdm
 
-    from data.stage import fingerprint, read_json, sha256_file, write_json
-    from data.store import ChunkStore
-    from data.tokenizer import get_tokenizer
-    from launch.report import how_trained, write_report
-    from training import load_model
-    from training.evaluate import evaluate_models
-    from training.scoring import token_byte_lengths
+    from retropipe.data.stage import fingerprint, read_json, sha256_file, write_json
+    from retropipe.data.store import ChunkStore
+    from retropipe.data.tokenizer import get_tokenizer
+    from retropipe.launch.report import how_trained, write_report
+    from retropipe.training.evaluation.evaluate import evaluate_models
+    from retropipe.training.evaluation.scoring import token_byte_lengths
+    from retropipe.training.models.io import load_model
 
     train_store = ChunkStore(cfg.data_dir)
     store = train_store
     if corpus:
-        from retrieval.heldout import prepare_heldout
+        from retropipe.retrieval.heldout import prepare_heldout
 
         store = prepare_heldout(cfg.data, corpus, out / "data", train_store, progress=progress)
         split = "validation"
@@ -110,16 +54,17 @@ def evaluate(cfg, checkpoints: list[Path], split: str, out: Path, corpus: str | 
     models = [(p.name if p.name != "model" else p.parent.name, load_model(model_dir_of(p), device=device))
               for p in checkpoints]
     neighbours, curve = None, []
-    if any(m.cfg.kind == "retro" for _, m in models):
-        neighbours, curve = neighbour_sources(cfg, store, split, out, database, device)
+    if any(m.cfg.retrieves for _, m in models):
+        from retropipe.retrieval.heldout import evaluation_neighbours
+
+        neighbours, curve = evaluation_neighbours(cfg, store, split, out, database, device)
     # The evaluation's manifest: what the report is computed from. report.json, written last,
     # records it; a rerun with the same inputs reads the report back instead of scoring again.
     inputs = fingerprint({"models": [(name, sha256_file(model_dir_of(p) / "model.safetensors"),
                                       sha256_file(model_dir_of(p) / "config.json"))
                                      for (name, _), p in zip(models, checkpoints)],
                           "chunk_store": store.fingerprint, "split": split, "eval": vars(cfg.eval),
-                          "align_neighbours": cfg.retrieval.align_neighbours and ALIGNMENT_RULE,
-                          "aligned_only": cfg.retrieval.aligned_only,
+                          "reading": neighbours.reading.settings() if neighbours else None,
                           "neighbours": neighbours.manifest["fingerprint"] if neighbours else None,
                           "curve": [n.manifest["fingerprint"] for _, _, n in curve]})
     done = read_json(out / "report.json")
@@ -166,15 +111,15 @@ def main(argv: list[str] | None = None) -> int:
                                 f"or a directory with config.json and model.safetensors)")
         out = args.out or cfg.reports_dir
         if args.out is None and args.corpus:
-            out = cfg.reports_dir / f"heldout-{_tag(args.corpus)}"
+            out = cfg.reports_dir / f"heldout-{path_tag(args.corpus)}"
         if args.out is None and args.database:
-            out = out / f"database-{_tag(str(args.database))}"
+            out = out / f"database-{path_tag(str(args.database))}"
         report = evaluate(cfg, args.checkpoint, args.split or "validation", out, args.corpus, args.database,
                           device=device, progress=not args.no_progress)
     except (ConfigError, DataError, ValueError) as e:
         print(f"evaluate: error: {e}", file=sys.stderr)
         return 2
-    from launch.report import table
+    from retropipe.launch.report import table
     print(table(report))
     print(f"report: {out / 'report.md'}")
     return 0

@@ -8,7 +8,7 @@
 
 A checkpoint is a run directory (its model/ is read) or a model directory. RETRO queries the
 database in <workdir>/retrieval/ (launch/build_index.py) with its own embedder, for every chunk
-it completes and once for the prompt's partial last chunk (the rule: training/sampling.py).
+it completes and once for the prompt's partial last chunk (the rule: training/evaluation/sampling.py).
 --neighbours 0 runs RETRO[OFF], without a database. Decoding uses a key/value cache (same tokens
 as without; --no-cache turns it off). Prints the prompt and its continuation on stdout, a summary
 line on stderr; --show-neighbours adds, per retrieval, the chunk's text and its neighbours
@@ -30,17 +30,15 @@ from pathlib import Path
 
 import numpy as np
 
-from data.config import ConfigError
-from data.readers import DataError
-from data.tokenizer import TokenizerError
-from launch.cli import config_from_args, entry_parser, quiet_engines, resolve_device
-from launch.evaluate import model_dir_of
+from retropipe.data.errors import ConfigError, DataError, TokenizerError
+from retropipe.launch.cli import config_from_args, entry_parser, quiet_engines, resolve_device
+from retropipe.launch.evaluate import model_dir_of
 
 
 @dataclass
 class Result:
     prompts: list[str]
-    outs: list             # per prompt: its samples, training.sampling.Generation each
+    outs: list             # per prompt: its samples, training.evaluation.sampling.Generation each
     names: dict            # (chunk, query tokens) → (k,) neighbour names ("train chunk 12")
     encoding: object       # the tiktoken encoding
     k: int                 # neighbours per chunk (0: GPT-2 or RETRO[OFF])
@@ -69,8 +67,8 @@ def read_prompts(args) -> list[str]:
 
 def open_retrieval(cfg, model_cfg, k: int | None, device: str, database: Path | None = None):
     """(Retriever, k, tokenizer name) for a RETRO model, or a clear error; k None = eval.neighbours."""
-    from data.neighbours import check_neighbour_count
-    from retrieval.query import Retriever, check_database
+    from retropipe.data.neighbours import check_neighbour_count
+    from retropipe.retrieval.query import Retriever, check_database
 
     root = Path(database or cfg.retrieval_dir)
     check_database(root)  # first, so that a missing database names build_index
@@ -87,9 +85,9 @@ def run(args) -> Result:
     """Load the model, wire retrieval to it, sample."""
     from tqdm import tqdm
 
-    from data.tokenizer import get_tokenizer
-    from training import load_model
-    from training.sampling import check_sampling, generate_samples
+    from retropipe.data.tokenizer import get_tokenizer
+    from retropipe.training.evaluation.sampling import check_sampling, generate_samples
+    from retropipe.training.models.io import load_model
 
     cfg = config_from_args(args)  # --print-config exits here, before any model is read
     device = resolve_device(args.device)
@@ -105,9 +103,9 @@ def run(args) -> Result:
                         f"or a directory with config.json and model.safetensors)")
     model = load_model(model_dir, device=device)
     retriever, k, tokenizer = None, 0, cfg.data.tokenizer
-    if model.cfg.kind == "retro" and args.neighbours != 0:
+    if model.cfg.retrieves and args.neighbours != 0:
         retriever, k, tokenizer = open_retrieval(cfg, model.cfg, args.neighbours, device, args.database)
-    elif model.cfg.kind == "gpt2" and args.neighbours:
+    elif not model.cfg.retrieves and args.neighbours:
         raise ValueError(f"--neighbours {args.neighbours}: {model_dir} is a GPT-2 model, which takes no neighbours")
     encoding = get_tokenizer(tokenizer)
     eot_id = encoding.eot_token
@@ -120,7 +118,7 @@ def run(args) -> Result:
     names = {}
 
     def retrieve(chunk_tokens: list[int], chunk: int):
-        from retrieval.query import query_text
+        from retropipe.retrieval.query import query_text
 
         query = np.full((1, model.cfg.chunk_len), -1, dtype=np.int64)
         tokens = chunk_tokens[:model.cfg.chunk_len]

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import sys
 
-from data.config import ConfigError
-from data.prepare import prepare, summary
-from data.readers import DataError
-from data.tokenizer import TokenizerError
-from launch.cli import config_from_args, entry_parser, quiet_engines
-from launch.config import save_config
-from launch.ray_utils import ClusterError, RayExecutor
+from retropipe.data.errors import ClusterError, ConfigError, DataError, TokenizerError
+from retropipe.data.prepare import prepare, summary
+from retropipe.launch.cli import config_from_args, entry_parser, quiet_engines
+from retropipe.launch.config import save_config
+from retropipe.launch.ray_utils import RayExecutor
 
 
 def main(argv: list[str] | None = None) -> int:

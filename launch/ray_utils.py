@@ -19,17 +19,15 @@ import logging
 import os
 from typing import Callable, Iterable, Iterator
 
-
-class ClusterError(RuntimeError):
-    """Joining a Ray cluster failed; the message says what to set."""
+from retropipe.data.errors import ClusterError
 
 
 def join_hint(address: str) -> str:
     """What to do when joining `address` failed, given this process's RAY_AUTH_MODE."""
     if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
-        return (f"if the cluster uses token authentication (Ray's default for clusters started with a token), "
-                f"`export RAY_AUTH_MODE=token` here, with the cluster's token in ~/.ray/auth_token, "
-                f"RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN (README, 'On a Ray cluster')")
+        return ("if the cluster uses token authentication (Ray's default for clusters started with a token), "
+                "`export RAY_AUTH_MODE=token` here, with the cluster's token in ~/.ray/auth_token, "
+                "RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN (README, 'On a Ray cluster')")
     return (f"RAY_AUTH_MODE=token is set: this machine's token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or "
             f"~/.ray/auth_token) must be the one the cluster at {address} was started with")
 

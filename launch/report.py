@@ -29,7 +29,7 @@ def how_trained(checkpoint: Path, kind: str) -> str | None:
     comparing it with a baseline of the same steps must be told: its RETRO[OFF] row is the fair
     comparison for what retrieval adds.
     """
-    from training.run_dir import read_run_config
+    from retropipe.training.run.run_dir import read_run_config
 
     cfg = read_run_config(checkpoint.parent if checkpoint.name == "model" else checkpoint) or {}
     train, model = cfg.get("train"), cfg.get("model")
@@ -127,7 +127,7 @@ def _plots(report: dict, run_dirs: list[Path], out: Path) -> list[tuple[str, str
 
 
 def write_report(report: dict, run_dirs: list[Path], out: Path) -> None:
-    from data.stage import atomic_write_text
+    from retropipe.data.stage import atomic_write_text
 
     plots = _plots(report, run_dirs, out)
     rows = report["rows"]

@@ -4,7 +4,7 @@
 
 On CPU DeepSpeed runs the processes over gloo; on GPUs over NCCL, multi-node with a hostfile.
 World size = train.pipeline_stages × data-parallel degree. A run resumes from its newest
-checkpoint when rerun, and is skipped once complete (training/run_dir.py describes the run directory).
+checkpoint when rerun, and is skipped once complete (training/run/run_dir.py describes the run directory).
 """
 
 from __future__ import annotations
@@ -22,12 +22,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from data.config import ConfigError
-from data.readers import DataError
-from data.stage import write_json
-from launch.cli import config_from_args, entry_parser, quiet_engines
-from training.run_dir import TrainingError, claim_run_dir
-from training.start import plan_start
+from retropipe.data.errors import ConfigError, DataError, TrainingError
+from retropipe.data.stage import write_json
+from retropipe.launch.cli import config_from_args, entry_parser, quiet_engines
+from retropipe.training.run.run_dir import claim_run_dir
+from retropipe.training.run.start import plan_start
 
 
 def run_dir_of(cfg) -> Path:
@@ -38,7 +37,7 @@ def as_run(cfg):
     """cfg as a training run records it: train.precision "auto" replaced by what it stands for on
     this machine, through the constructor so the section is validated again. The run directory's
     config.yaml holds this, so whoever checks a run directory against a config resolves it too."""
-    from training.config import resolve_precision
+    from retropipe.training.run.hardware import resolve_precision
 
     cfg.train = dataclasses.replace(cfg.train, precision=resolve_precision(cfg.train.precision))
     return cfg
@@ -47,8 +46,8 @@ def as_run(cfg):
 def preflight(cfg, world_size: int):
     """Every check of the config and the data that can fail before any process group or model
     exists; returns the chunk store, the neighbours (RETRO) and the pipeline cut."""
-    from data.store import ChunkStore
-    from training.layers import layer_list
+    from retropipe.data.store import ChunkStore
+    from retropipe.training.models.build import layer_list
 
     t = as_run(cfg).train
     if world_size % t.pipeline_stages:
@@ -58,12 +57,12 @@ def preflight(cfg, world_size: int):
     if t.pipeline_stages > len(descs):
         raise ConfigError("train.pipeline_stages", f"{t.pipeline_stages} stages for a model of "
                           f"{len(descs)} pipeline layers")
-    from training.partition import partition
+    from retropipe.training.pipeline.partition import partition
     try:  # a cut where every stage trains (frozen trunk: a CCA layer per stage) must exist
         parts = partition(descs, t.pipeline_stages, t.partition, frozen_trunk=cfg.model.freeze_trunk)
     except ValueError as e:
         raise ConfigError("train.pipeline_stages", str(e).split(": ", 1)[-1]) from None
-    from training.deepspeed_config import deepspeed_config
+    from retropipe.training.pipeline.deepspeed_config import deepspeed_config
     deepspeed_config(t)  # train.deepspeed: the pipeline engine's limits, no contradiction with train.*
     cuda = torch.cuda.is_available()
     if t.precision == "fp16" and not cuda:
@@ -79,10 +78,11 @@ def preflight(cfg, world_size: int):
         raise TrainingError(f"the training split holds {n_train} sequences of {t.seq_len} tokens, fewer than "
                             f"train.micro_batch_size ({t.micro_batch_size})")
     neighbours = None
-    if cfg.model.kind == "retro":
-        from data.neighbours import NeighbourStore
+    if cfg.model.retrieves:
+        from retropipe.data.neighbours import NeighbourStore
+        from retropipe.data.reading import Reading
         neighbours = NeighbourStore.of(cfg.retrieval_dir, store, chunks_per_seq=t.seq_len // store.chunk_len,
-                                        align=cfg.retrieval.align_neighbours)
+                                        reading=Reading.for_training(cfg.retrieval))
     return store, neighbours, parts
 
 
@@ -113,12 +113,12 @@ def main(argv: list[str] | None = None) -> int:
         (run_dir / "summary.json").unlink(missing_ok=True)
 
     if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
-        from training.hardware import cpu_threads
+        from retropipe.training.run.hardware import cpu_threads
 
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         torch.set_num_threads(cpu_threads(cfg.train.cpu_threads, local, cfg.train.pipeline_stages))
-    from training.deepspeed_config import deepspeed_config
-    from training.pipeline import init_distributed, shutdown
+    from retropipe.training.pipeline.deepspeed_config import deepspeed_config
+    from retropipe.training.pipeline.deepspeed_engine import init_distributed, shutdown
 
     if rank == 0:  # exactly what DeepSpeed is given, for the record
         write_json(run_dir / "deepspeed_config.json", deepspeed_config(cfg.train))
@@ -132,8 +132,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def train(cfg, store, neighbours, run_dir: Path, start, rank: int, progress: bool = True) -> int:
     """Build this rank's stage, train, export the model and mark the run complete; the exit code."""
-    from training.engine import Trainer, check_tied_weights
-    from training.pipeline import Pipeline
+    from retropipe.training.pipeline.deepspeed_engine import Pipeline
+    from retropipe.training.run.trainer import Trainer, check_tied_weights
 
     try:
         pipe = Pipeline(cfg.model, cfg.train, warm_start=start.kind == "fresh")
@@ -161,7 +161,8 @@ def train(cfg, store, neighbours, run_dir: Path, start, rank: int, progress: boo
         return 1
     state = pipe.gather_state_dict()
     if rank == 0:
-        from training.model_io import build_model, save_model
+        from retropipe.training.models.build import build_model
+        from retropipe.training.models.io import save_model
 
         model = build_model(cfg.model)
         model.load_state_dict(state, strict=True)

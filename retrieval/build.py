@@ -13,16 +13,17 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from data.config import DataConfig
-from data.database import Database
-from data.stage import Executor, output_settings, serial_executor, write_json
-from data.store import ChunkStore
-from retrieval.config import RetrievalConfig, RetrievalError
-from retrieval.database import DatabaseVectors, prepare_corpora, write_database
-from retrieval.embed import EmbedRunner, Embeddings, embed_store, model_identity, resolve_model_path, \
-    serial_embed_runner
-from retrieval.index import build_index, faiss_module, load_index, make_index, recall_check
-from retrieval.neighbours import MANIFEST_VERSION, query_neighbours
+from retropipe.data.config import DataConfig
+from retropipe.data.database import Database
+from retropipe.data.errors import RetrievalError
+from retropipe.data.stage import Executor, output_settings, serial_executor, write_json
+from retropipe.data.store import ChunkStore
+from retropipe.retrieval.config import RetrievalConfig
+from retropipe.retrieval.database import DatabaseVectors, prepare_corpora, write_database
+from retropipe.retrieval.embed import (Embeddings, EmbedRunner, embed_store, model_identity, resolve_model_path,
+                                       serial_embed_runner)
+from retropipe.retrieval.index import build_index, faiss_module, load_index, make_index, recall_check
+from retropipe.retrieval.neighbours import MANIFEST_VERSION, query_neighbours
 
 
 def check_inputs(cfg: RetrievalConfig, store: ChunkStore, dim: int | None = None, database_chunks: int | None = None) -> None:
@@ -47,8 +48,8 @@ def check_inputs(cfg: RetrievalConfig, store: ChunkStore, dim: int | None = None
 
 def _expected_dim(cfg: RetrievalConfig, emb_dir: Path) -> int:
     """The embedding width, before embedding: so a bad retrieval.index fails in seconds, not hours."""
-    from data.stage import read_json
-    from retrieval.embed import cached_embedder, embedding_dim
+    from retropipe.data.stage import read_json
+    from retropipe.retrieval.embed import cached_embedder, embedding_dim
 
     manifest = read_json(emb_dir / "manifest.json")
     if manifest is not None and manifest.get("dim"):

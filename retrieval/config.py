@@ -5,12 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from data.config import require
-from data.readers import DataError
-
-
-class RetrievalError(DataError):
-    """A bad retrieval input or a stale/corrupt retrieval file; the message names the file or key."""
+from retropipe.data.config import require
 
 
 @dataclass
@@ -47,13 +42,13 @@ class RetrievalConfig:
     # recall that PQ codes lose, for `candidates` row reads per query (no effect on "Flat").
     rerank: bool = True
     # Slide each neighbour window along its document to line up with its query chunk when it is
-    # read for training, evaluation and generation (data/alignment.py); false = the paper's [N, F].
+    # read for training, evaluation and generation (data/reading.py); false = the paper's [N, F].
     align_neighbours: bool = True
     # Evaluation and generation read only the neighbours that line up with their query chunk (at
-    # least a quarter of its tokens in place at the best shift, data/alignment.py); the others are
+    # least a quarter of its tokens in place at the best shift, data/reading.py); the others are
     # missing. A model that has learned to copy copies from topical neighbours too, and a small
-    # one gains nothing measurable from them (docs/results.md). Training always reads them all
-    # (measured: filtered there too, the trunk came out worse). Needs align_neighbours.
+    # one gains nothing measurable from them (docs/results.md). Training reads them all: filtered
+    # there too, the trunk comes out worse (data/reading.py). Needs align_neighbours.
     aligned_only: bool = False
     # Queries sampled for the recall@k check of the index against exact search.
     recall_queries: int = 200

@@ -15,24 +15,20 @@ Adding a corpus adds a part: the parts already embedded are reused, only the ind
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
-from data.config import DataConfig
-from data.database import DATABASE_FILE
-from data.prepare import prepare
-from data.readers import DataError
-from data.stage import Executor, fingerprint, serial_executor, write_json
-from data.store import ChunkStore
-from data.tokenizer import TokenizerError
-from retrieval.config import RetrievalError
-from retrieval.embed import Embeddings
+from retropipe.data.config import DataConfig
+from retropipe.data.database import DATABASE_FILE
+from retropipe.data.errors import DataError, RetrievalError, TokenizerError
+from retropipe.data.prepare import prepare
+from retropipe.data.stage import Executor, fingerprint, path_tag, serial_executor, write_json
+from retropipe.data.store import ChunkStore
+from retropipe.retrieval.embed import Embeddings
 
 DATABASE_VERSION = 1
 
@@ -46,19 +42,12 @@ class PartSource:
     embeddings_dir: Path
 
 
-def corpus_part_name(corpus: str) -> str:
-    """A directory name for a further corpus: its file name's stem plus a hash of its resolved path."""
-    tag = hashlib.blake2b(str(Path(corpus).expanduser().resolve()).encode(), digest_size=4).hexdigest()
-    stem = re.sub(r"[^\w-]+", "_", Path(corpus).name.split(".")[0]).strip("_") or "corpus"
-    return f"{stem}-{tag}"
-
-
 def prepare_corpora(corpora: list[str], data_cfg: DataConfig, store: ChunkStore, retrieval_dir: Path,
                     executor: Executor = serial_executor, progress: bool = False) -> list[PartSource]:
     """Part 0 (the training split) plus every further corpus, prepared (resumable, skipped when complete)."""
     parts = [PartSource("train", store, Path(retrieval_dir) / "embeddings")]
     for corpus in corpora:
-        name = corpus_part_name(corpus)
+        name = path_tag(corpus)
         part_dir = Path(retrieval_dir) / "corpora" / name
         # The training data's tokenizer and chunk_len (from its manifest: one source of truth) and
         # reader settings; every document goes to the "train" split, the database's only split.
@@ -143,8 +132,8 @@ def write_database(root: Path, parts: list[PartSource], embedder: dict) -> dict:
 
 def open_vectors(database) -> DatabaseVectors:
     """The embeddings of a built database (data.database.Database), from the paths database.json records."""
-    from data.database import resolve_part_path
-    from data.stage import read_json
+    from retropipe.data.database import resolve_part_path
+    from retropipe.data.stage import read_json
 
     parts = []
     for entry, part in zip(database.manifest["parts"], database.parts):

@@ -22,16 +22,15 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from data.chunking import SPLITS
-from data.store import ChunkStore
-from data.stage import fingerprint, load_npy, open_stage, save_npy, sha256_file, write_json
-from retrieval.config import RetrievalError
+from retropipe.data.chunking import SPLITS
+from retropipe.data.errors import BUILD_DATABASE, RetrievalError
+from retropipe.data.stage import fingerprint, load_npy, open_stage, save_npy, sha256_file, write_json
+from retropipe.data.store import ChunkStore
 # The model behind retrieval.embedder (re-exported: retrieval.embed is where callers find them).
-from retrieval.embedder import (DEFAULT_MODEL_NAME, cached_embedder, embedding_dim, hub_name,  # noqa: F401
-                                load_embedder, model_identity, resolve_model_path)
+from retropipe.retrieval.embedder import (DEFAULT_MODEL_NAME, cached_embedder, embedding_dim, hub_name,  # noqa: F401
+                                          load_embedder, model_identity, resolve_model_path)
 
 MANIFEST_VERSION = 1
-REBUILD = "run launch/build_index.py again"
 
 # Texts per forward pass inside a job, sorted by length: less padding than one big batch, and
 # big enough (16 × ~50 tokens) that the matmuls stay efficient on CPU.
@@ -106,7 +105,7 @@ EmbedRunner = Callable[[EmbedSpec, list[EmbedJob]], Iterator[tuple[EmbedJob, np.
 
 def serial_embed_runner(spec: EmbedSpec, jobs: list[EmbedJob]) -> Iterator[tuple[EmbedJob, np.ndarray]]:
     """Embed in this process (tests, or a machine without Ray)."""
-    from data.tokenizer import get_tokenizer
+    from retropipe.data.tokenizer import get_tokenizer
 
     if not jobs:
         return
@@ -166,8 +165,8 @@ def embed_store(store: ChunkStore, out_dir: Path, embedder: str, batch_size: int
     if parts:
         raise RetrievalError(f"embedding runner returned no result for shards {sorted(parts)}")
     if dim is None:  # nothing was embedded in this run: read the dimension from a finished shard
-        dim = next((load_npy(out_dir / s / shard_file(n), rerun=REBUILD).shape[1] for s in SPLITS for n in names[s]
-                    if (out_dir / s / shard_file(n)).exists() and load_npy(out_dir / s / shard_file(n), rerun=REBUILD).shape[0]),
+        dim = next((load_npy(out_dir / s / shard_file(n), rerun=f"run {BUILD_DATABASE}").shape[1] for s in SPLITS for n in names[s]
+                    if (out_dir / s / shard_file(n)).exists() and load_npy(out_dir / s / shard_file(n), rerun=f"run {BUILD_DATABASE}").shape[0]),
                    None)
     for split, i in [(s, i) for s in SPLITS for i in range(len(names[s]))]:
         path = out_dir / split / shard_file(names[split][i])
@@ -185,7 +184,7 @@ def _finalize(store: ChunkStore, out_dir: Path, inputs: dict, names: dict, model
         shas[split] = []
         for i, name in enumerate(names[split]):
             path = out_dir / split / shard_file(name)
-            arr = load_npy(path, rerun=REBUILD)
+            arr = load_npy(path, rerun=f"run {BUILD_DATABASE}")
             expected = store.manifest["shard_chunks"][split][i]
             if arr.shape[0] != expected or arr.dtype != np.float16:
                 raise RetrievalError(f"{path}: {arr.shape} {arr.dtype}, expected ({expected}, d) float16; "
@@ -232,7 +231,7 @@ class Embeddings:
 
     def shard(self, split: str, i: int) -> np.ndarray:
         """(n, d) float32 of shard i (a copy: FAISS wants float32)."""
-        arr = load_npy(self.shard_path(split, i), rerun=REBUILD)
+        arr = load_npy(self.shard_path(split, i), rerun=f"run {BUILD_DATABASE}")
         if arr.ndim != 2 or (arr.shape[0] and arr.shape[1] != self.dim):
             raise RetrievalError(f"{self.shard_path(split, i)}: shape {arr.shape} does not match the embedding "
                                  f"dimension {self.dim} in {self.dir / 'manifest.json'}")
@@ -254,6 +253,6 @@ class Embeddings:
             sel = shard == s
             key = (split, int(s))
             if key not in self._maps:
-                self._maps[key] = load_npy(self.shard_path(split, int(s)), rerun=REBUILD)
+                self._maps[key] = load_npy(self.shard_path(split, int(s)), rerun=f"run {BUILD_DATABASE}")
             out[sel] = self._maps[key][ids[sel] - offsets[s]]
         return out

@@ -15,8 +15,8 @@ import os
 import re
 from pathlib import Path
 
-from data.stage import fingerprint, sha256_file
-from retrieval.config import RetrievalError
+from retropipe.data.errors import RetrievalError
+from retropipe.data.stage import fingerprint, sha256_file
 
 DEFAULT_MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 
@@ -71,8 +71,8 @@ def _from_hub(name: str, revision: str | None = None) -> Path:
     Offline (HF_HUB_OFFLINE=1, or no network) a cached snapshot is used; without one, a one-line error.
     """
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError, \
-        RevisionNotFoundError
+    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
 
     where = f"config key 'retrieval.embedder': {name!r}"
     try:

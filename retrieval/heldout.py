@@ -25,17 +25,18 @@ from pathlib import Path
 
 import numpy as np
 
-from data.config import DataConfig
-from data.database import Database
-from data.neighbours import NeighbourStore
-from data.prepare import prepare
-from data.readers import DataError
-from data.stage import fingerprint
-from data.store import ChunkStore
-from retrieval.config import RetrievalConfig
-from retrieval.embed import Embeddings, cached_embedder, embed_job, embed_store, serial_embed_runner
-from retrieval.neighbours import query_neighbours
-from retrieval.query import Retriever
+from retropipe.data.config import DataConfig
+from retropipe.data.database import Database
+from retropipe.data.errors import ConfigError, DataError
+from retropipe.data.neighbours import NeighbourStore
+from retropipe.data.prepare import prepare
+from retropipe.data.reading import Reading
+from retropipe.data.stage import fingerprint, path_tag, read_json
+from retropipe.data.store import ChunkStore
+from retropipe.retrieval.config import RetrievalConfig
+from retropipe.retrieval.embed import Embeddings, cached_embedder, embed_job, embed_store, serial_embed_runner
+from retropipe.retrieval.neighbours import query_neighbours
+from retropipe.retrieval.query import Retriever
 
 
 def prepare_heldout(data_cfg: DataConfig, corpus: str, out_dir: Path, like: ChunkStore, progress: bool = True) -> ChunkStore:
@@ -71,7 +72,7 @@ def embed_runner_on(device: str):
         return serial_embed_runner
 
     def runner(spec, jobs):
-        from data.tokenizer import get_tokenizer
+        from retropipe.data.tokenizer import get_tokenizer
 
         if not jobs:
             return
@@ -95,7 +96,7 @@ def split_neighbours(retriever: Retriever, store: ChunkStore, split: str, out_di
         query_emb = Embeddings(emb_dir, manifest)
     if query_emb.manifest.get("chunk_store_fingerprint") != store.fingerprint:
         raise DataError(f"{query_emb.dir}: embeddings of another chunk store than {store.root}")
-    from retrieval.build import neighbour_inputs
+    from retropipe.retrieval.build import neighbour_inputs
 
     inputs = neighbour_inputs(cfg, retriever.database, store, retriever.index_manifest, None,
                               query_embeddings=query_emb.fingerprint, split=split,
@@ -103,4 +104,44 @@ def split_neighbours(retriever: Retriever, store: ChunkStore, split: str, out_di
     query_neighbours(retriever.index_for(allowed), query_emb, store, retriever.database, out_dir, inputs, retriever.k,
                      cfg.candidates, None, retriever.vectors.rows if retriever.rerank else None, splits=(split,),
                      progress=progress, allowed=allowed)
-    return NeighbourStore(out_dir, store, align=cfg.align_neighbours, aligned_only=cfg.aligned_only)
+    return NeighbourStore(out_dir, store, reading=Reading.for_evaluation(cfg))
+
+
+def stored_embeddings(cfg, store):
+    """The build's embeddings of `store` (the training data), or None: a held-out corpus is embedded anew."""
+    manifest = read_json(cfg.retrieval_dir / "embeddings" / "manifest.json")
+    if manifest and manifest.get("chunk_store_fingerprint") == store.fingerprint:
+        return Embeddings(cfg.retrieval_dir / "embeddings", manifest)
+    return None
+
+
+def evaluation_neighbours(cfg, store: ChunkStore, split: str, out: Path, database_dir: Path, device: str = "cpu"):
+    """What an evaluation of `store`'s split reads: (its neighbours, the database-size curve
+    [(label, tokens, neighbours)]). cfg: the composed config (its retrieval, eval and workdir).
+
+    The training data against its own database reads the neighbours the build computed; any other
+    chunk store (a held-out corpus) or database is searched anew, its neighbours cached under
+    out/neighbours/. Every source reads by `Reading.for_evaluation` (data/reading.py). Queries not
+    embedded by the build are embedded (and searched, where FAISS can) on `device`."""
+    own = store.root.resolve() == cfg.data_dir.resolve() and database_dir.resolve() == cfg.retrieval_dir.resolve()
+    retriever = None
+    if own:  # the training data against its own database: the neighbours the build computed
+        neighbours = NeighbourStore.of(cfg.retrieval_dir, store, reading=Reading.for_evaluation(cfg.retrieval))
+    else:
+        retriever = Retriever(database_dir, cfg.retrieval, device=device)
+        neighbours = split_neighbours(retriever, store, split, out / "neighbours" / path_tag(str(database_dir)),
+                                      cfg.retrieval, stored_embeddings(cfg, store), device=device)
+    curve = []
+    if cfg.eval.database_curve:
+        retriever = retriever or Retriever(database_dir, cfg.retrieval, device=device)
+        if len(retriever.database.parts) < 2:
+            raise ConfigError("eval.database_curve", f"the database at {database_dir} holds the training split only; "
+                              f"add corpora with retrieval.corpora (and run launch/build_index.py) to grow it")
+        query_emb = stored_embeddings(cfg, store)
+        for fraction in sorted(set(cfg.eval.database_curve)):
+            allowed, tokens = database_subset(retriever.database, fraction, cfg.retrieval.seed)
+            label = "training split" if fraction == 0 else f"+{fraction:.1%} of the further corpora"
+            nbrs = split_neighbours(retriever, store, split, out / "neighbours" / f"{path_tag(str(database_dir))}-{fraction:g}",
+                                    cfg.retrieval, query_emb, allowed, device=device)
+            curve.append((label, tokens, nbrs))
+    return neighbours, curve

@@ -29,8 +29,8 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from data.stage import Executor, fingerprint, open_stage, serial_executor, sha256_file, tmp_path, write_json
-from retrieval.config import RetrievalError
+from retropipe.data.errors import RetrievalError
+from retropipe.data.stage import Executor, fingerprint, open_stage, serial_executor, sha256_file, tmp_path, write_json
 
 MANIFEST_VERSION = 2  # 2: over the database's parts (ids are database ids)
 
@@ -153,7 +153,35 @@ def build_index(vectors, out_dir: Path, factory: str, train_sample: int, seed: i
         return {**manifest, "skipped": True}
     if len(vectors) == 0:
         raise RetrievalError("the database has no chunks: nothing to index")
+    seconds = {}
     begin = time.perf_counter()
+    trained, sample_size = _train(vectors, out_dir, factory, train_sample, seed)
+    seconds["train"] = round(time.perf_counter() - begin, 2)
+    begin = time.perf_counter()
+    kind = merge_kind(read_index(trained))
+    shard_paths = _add_shards(vectors, out_dir, trained, kind, executor, workers)
+    seconds["add"] = round(time.perf_counter() - begin, 2)
+    begin = time.perf_counter()
+    merged = _merge(vectors, out_dir, trained, kind, shard_paths)
+    seconds["merge"] = round(time.perf_counter() - begin, 2)
+    if merged.ntotal != len(vectors):
+        raise RetrievalError(f"{out_dir / INDEX_FILE}: holds {merged.ntotal} vectors, expected {len(vectors)}")
+    files = [INDEX_FILE] + ([IVFDATA_FILE] if kind == "ivf" else [])
+    manifest = {
+        "version": MANIFEST_VERSION, "inputs": inputs, "factory": factory, "metric": "l2 (unit vectors: cosine)",
+        "dim": vectors.dim, "ntotal": int(merged.ntotal), "merge": kind, "train_sample": sample_size,
+        "embeddings_fingerprint": vectors.fingerprint, "files": files,
+        "sha256": {f: sha256_file(out_dir / f) for f in files}, "seconds": seconds,
+    }
+    manifest["fingerprint"] = fingerprint({"inputs": inputs, "sha256": manifest["sha256"]})
+    write_json(out_dir / "manifest.json", manifest)
+    for path in shard_paths:  # merged: the per-shard copies are no longer needed
+        path.unlink(missing_ok=True)
+    return manifest
+
+
+def _train(vectors, out_dir: Path, factory: str, train_sample: int, seed: int) -> tuple[Path, int]:
+    """The trained, empty index on disk (kept by a resumed build) and the vectors it was trained on."""
     index = make_index(factory, vectors.dim)
     trained = out_dir / TRAINED_FILE
     # Vectors the index is trained on (the same when a resumed build finds the trained index).
@@ -168,52 +196,39 @@ def build_index(vectors, out_dir: Path, factory: str, train_sample: int, seed: i
                                      f"{len(sample)} vectors ({str(e).splitlines()[-1].strip()}); use fewer "
                                      f"lists/centroids or a larger retrieval.train_sample / database") from None
         write_index(index, trained)
-    train_seconds = time.perf_counter() - begin
+    return trained, sample_size
 
-    kind = merge_kind(index)
+
+def _add_shards(vectors, out_dir: Path, trained: Path, kind: str, executor: Executor, workers: int) -> list[Path]:
+    """Each embedding shard added to a copy of the trained index, in parallel (the unit of resumption);
+    nothing for an index that is not mergeable (the merge adds everything in one pass)."""
+    if kind == "serial":
+        return []
     shards_dir = out_dir / "shards"
     shards_dir.mkdir(exist_ok=True)
     sources = vectors.shard_files()
     shard_paths = [shards_dir / f"shard-{i:05d}.faissindex" for i in range(len(sources))]
-    add_begin = time.perf_counter()
-    if kind == "serial":
-        merged = read_index(trained)
-        for _, x in vectors.shards():
-            merged.add(x)
-    else:
-        jobs = [(str(trained), str(path), first, str(shard_paths[i]))
-                for i, (first, path, _) in enumerate(sources) if not shard_paths[i].exists()]
-        for _ in executor(add_shard, jobs, workers):
-            pass
-    add_seconds = time.perf_counter() - add_begin
+    jobs = [(str(trained), str(path), first, str(shard_paths[i]))
+            for i, (first, path, _) in enumerate(sources) if not shard_paths[i].exists()]
+    for _ in executor(add_shard, jobs, workers):
+        pass
+    return shard_paths
 
-    merge_begin = time.perf_counter()
+
+def _merge(vectors, out_dir: Path, trained: Path, kind: str, shard_paths: list[Path]):
+    """The shards merged into the final index, written into place (IVF: with on-disk inverted lists)."""
     if kind == "ivf":
-        merged = _merge_ivf(read_index(trained), shard_paths, out_dir)
-    elif kind == "codes":
+        return _merge_ivf(read_index(trained), shard_paths, out_dir)
+    merged = read_index(trained)
+    if kind == "codes":
         faiss = faiss_module()
-
-        merged = read_index(trained)
         for path in shard_paths:
             merged.merge_from(faiss.read_index(str(path)), 0)
-    if kind != "ivf":
-        write_index(merged, out_dir / INDEX_FILE)
-    if merged.ntotal != len(vectors):
-        raise RetrievalError(f"{out_dir / INDEX_FILE}: holds {merged.ntotal} vectors, expected {len(vectors)}")
-    files = [INDEX_FILE] + ([IVFDATA_FILE] if kind == "ivf" else [])
-    manifest = {
-        "version": MANIFEST_VERSION, "inputs": inputs, "factory": factory, "metric": "l2 (unit vectors: cosine)",
-        "dim": vectors.dim, "ntotal": int(merged.ntotal), "merge": kind, "train_sample": sample_size,
-        "embeddings_fingerprint": vectors.fingerprint, "files": files,
-        "sha256": {f: sha256_file(out_dir / f) for f in files},
-        "seconds": {"train": round(train_seconds, 2), "add": round(add_seconds, 2),
-                    "merge": round(time.perf_counter() - merge_begin, 2)},
-    }
-    manifest["fingerprint"] = fingerprint({"inputs": inputs, "sha256": manifest["sha256"]})
-    write_json(out_dir / "manifest.json", manifest)
-    for path in shard_paths:  # merged: the per-shard copies are no longer needed
-        path.unlink(missing_ok=True)
-    return manifest
+    else:
+        for _, x in vectors.shards():
+            merged.add(x)
+    write_index(merged, out_dir / INDEX_FILE)
+    return merged
 
 
 def _merge_ivf(index, shard_paths: list[Path], out_dir: Path):

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import numpy as np
 
-from data.chunking import SPLITS
-from data.database import Database
-from data.stage import fingerprint, load_npy, open_stage, save_npy, sha256_file, write_json
-from data.store import ChunkStore
-from retrieval.index import search
+from retropipe.data.chunking import SPLITS
+from retropipe.data.database import Database
+from retropipe.data.stage import fingerprint, load_npy, open_stage, save_npy, sha256_file, write_json
+from retropipe.data.store import ChunkStore
+from retropipe.retrieval.index import search
 
 MANIFEST_VERSION = 2  # 2: database ids, exclusion by document text hash
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # spreads chunk positions over 64 bits before the xor

@@ -24,16 +24,17 @@ from pathlib import Path
 
 import numpy as np
 
-from data.database import Database
-from data.neighbours import check_neighbour_count
-from data.stage import read_json
-from retrieval.config import RetrievalConfig, RetrievalError
-from retrieval.database import open_vectors
-from retrieval.embed import cached_embedder, chunk_texts, embed, model_identity, resolve_model_path
-from retrieval.index import load_index
-from retrieval.neighbours import find_neighbours
+from retropipe.data.database import Database
+from retropipe.data.errors import BUILD_DATABASE, RetrievalError
+from retropipe.data.neighbours import check_neighbour_count
+from retropipe.data.reading import Reading
+from retropipe.data.stage import read_json
+from retropipe.retrieval.config import RetrievalConfig
+from retropipe.retrieval.database import open_vectors
+from retropipe.retrieval.embed import cached_embedder, chunk_texts, embed, model_identity, resolve_model_path
+from retropipe.retrieval.index import load_index
+from retropipe.retrieval.neighbours import find_neighbours
 
-BUILD = "python launch/build_index.py --config <your config>"
 STAGES = ("index", "neighbours")
 # FAISS's GPU k-selection handles at most this many results per query (GPU_MAX_SELECTION_K).
 GPU_MAX_K = 2048
@@ -44,7 +45,7 @@ def check_database(retrieval_dir: str | Path) -> None:
     root = Path(retrieval_dir)
     for path in [root / "database.json", *(root / stage / "manifest.json" for stage in STAGES)]:
         if not path.is_file():
-            raise RetrievalError(f"no retrieval database at {root} (missing {path}); build it: {BUILD}")
+            raise RetrievalError(f"no retrieval database at {root} (missing {path}); build it: {BUILD_DATABASE}")
 
 
 def query_text(tokens: list[int], encoding, eot_id: int) -> str:
@@ -81,15 +82,16 @@ class Retriever:
         root = Path(retrieval_dir)
         check_database(root)
         self.dir, self.cfg = root, cfg
+        self.reading = Reading.for_evaluation(cfg)  # what a chunk of new text reads (data/reading.py)
         self.database = Database(root)
         self.vectors = open_vectors(self.database)
-        index_manifest = read_json(root / "index" / "manifest.json", rerun=f"build it again: {BUILD}")
+        index_manifest = read_json(root / "index" / "manifest.json", rerun=f"build it again: {BUILD_DATABASE}")
         if index_manifest["embeddings_fingerprint"] != self.vectors.fingerprint:
             raise RetrievalError(f"stale retrieval database at {root}: its index was built from other embeddings "
-                                 f"than its parts now have; rebuild it: {BUILD}")
+                                 f"than its parts now have; rebuild it: {BUILD_DATABASE}")
         self.index_manifest = index_manifest
         # Neighbours per chunk the database was built with: what the model trained and is evaluated with.
-        self.k: int = int(read_json(root / "neighbours" / "manifest.json", rerun=f"build it again: {BUILD}")["k"])
+        self.k: int = int(read_json(root / "neighbours" / "manifest.json", rerun=f"build it again: {BUILD_DATABASE}")["k"])
         self.index = load_index(root / "index", index_manifest, self.vectors.dim, cfg.nprobe, cfg.ef_search)
         # Search as the neighbour stage did: `candidates` fetched, re-ranked unless the index is exact.
         self.fetch = min(max(cfg.candidates, self.k), self.index.ntotal)
@@ -136,7 +138,7 @@ class Retriever:
     def neighbour_tokens(self, ids: np.ndarray, query: np.ndarray | None = None) -> np.ndarray:
         """Tokens of neighbours ids (..., k) and their continuations: (..., k, r) int64, -1 = missing;
         aligned to query chunks (..., chunk_len) when given and retrieval.align_neighbours is on."""
-        return self.database.neighbour_tokens(ids, query if self.cfg.align_neighbours else None, self.cfg.aligned_only)
+        return self.reading.tokens(self.database, ids, query)
 
     def query(self, texts: list[str], k: int, query: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(ids (q, k), tokens (q, k, r)) for each text; query (q, chunk_len): its tokens, for alignment."""

@@ -17,24 +17,24 @@ from typing import Iterator
 
 import numpy as np
 
-from data.chunking import SPLITS
-from retrieval.embed import EmbedJob, EmbedSpec
+from retropipe.data.chunking import SPLITS
+from retropipe.retrieval.embed import EmbedJob, EmbedSpec
 
 
 class EmbedChunks:
     """Ray Data class UDF: one model per actor; a batch is a few jobs, each embedded whole."""
 
     def __init__(self, spec: EmbedSpec, device: str, threads: int):
-        from data.store import ChunkStore
-        from data.tokenizer import get_tokenizer
-        from retrieval.embedder import load_embedder, local_model_path
+        from retropipe.data.store import ChunkStore
+        from retropipe.data.tokenizer import get_tokenizer
+        from retropipe.retrieval.embedder import load_embedder, local_model_path
 
         self.spec = spec
         self.model = load_embedder(local_model_path(spec.model_path, spec.hub_name), device=device, threads=threads)
         self.store, self.encoding = ChunkStore(spec.data_dir), get_tokenizer(spec.tokenizer)
 
     def embed_one(self, job: EmbedJob) -> np.ndarray:
-        from retrieval.embed import embed_job
+        from retropipe.retrieval.embed import embed_job
 
         return embed_job(self.model, self.store, self.encoding, job, self.spec.sub_batch)
 

@@ -14,16 +14,27 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 
 import pytest  # noqa: E402 (after the environment, on purpose)
+import torch  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def built(tmp_path_factory):
     """A topic store and its retrieval database, built once in-process: the reference that the
     retrieval tests (in-process and on Ray) compare against. Read it; copy it to change it."""
-    from retrieval.build import build_retrieval
+    from retropipe.retrieval.build import build_retrieval
     from tests.corpora import SEQ_CHUNKS, make_store, retrieval_cfg, topic_docs
 
     root = tmp_path_factory.mktemp("built")
     store = make_store(root, topic_docs())
     result = build_retrieval(retrieval_cfg(), store, root / "retrieval", chunks_per_seq=SEQ_CHUNKS)
     return root, store, result
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Batch-one sampling from tiny models gains nothing from intra-op threads, and on a shared
+    2-core machine their spin-waiting turned a 0.1 s generation into ~9 s."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import numpy as np
 
-from data.chunking import split_of
-from data.config import DataConfig
-from data.prepare import prepare
-from data.store import ChunkStore
-from retrieval.config import RetrievalConfig
+from retropipe.data.chunking import split_of
+from retropipe.data.config import DataConfig
+from retropipe.data.prepare import prepare
+from retropipe.data.store import ChunkStore
+from retropipe.retrieval.config import RetrievalConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable

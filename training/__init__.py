@@ -1,17 +1,9 @@
-"""Models (GPT-2 baseline, RETRO), their layer list for pipeline stages, and model I/O.
+"""retropipe.training: GPT-2 and RETRO in plain PyTorch, trained with DeepSpeed pipeline parallelism,
+and scored in bits per byte. Four rooms, each importing only the ones listed before it (and
+retropipe.data; never retropipe.retrieval):
 
-`load_model`, `save_model` and `retrofit` are imported lazily, so `training.config` (read by
-launch/config.py for every stage) does not pull in torch.
+    models/      the networks: config, GPT-2, RETRO (a GPT-2 subclass), their layer list, I/O
+    run/         a training run: its config, directory, start, data order, loop, logs, hardware
+    pipeline/    the layer list cut into DeepSpeed stages; the one adapter that imports deepspeed
+    evaluation/  a trained model used: bits per byte, leakage α, the report's rows, sampling
 """
-
-_EXPORTS = {"load_model": "training.model_io", "save_model": "training.model_io",
-            "load_pretrained": "training.model_io", "retrofit": "training.retro"}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name):
-    if name in _EXPORTS:
-        import importlib
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'training' has no attribute {name!r}")

@@ -1,0 +1,116 @@
+"""Every training recipe the README and configs document, on 2 pipeline stages, in fp32 and bf16.
+
+Recipes: the GPT-2 baseline, RETRO, RETRO from the baseline's weights (`train.init_from`),
+RETRO-fit with a frozen trunk (`configs/tiny-retrofit.yaml`), a finished run extended
+(`train.steps` raised) and a branch (`train.branch_from`). Each trains 2 steps (the extension
+and the branch one more) with real DeepSpeed on 2 CPU processes; each asserts its first loss
+and that the stages' copies of the tied embedding agree. The first loss of a fresh or warm-started
+run is computed again in-process from the same weights and micro-batches; the extension's and
+the branch's must be equal, both continuing the same checkpoint.
+"""
+
+import json
+
+import pytest
+import torch
+
+from retropipe.launch.config import load_config
+from tests.distributed import ROOT, train
+from tests.launch.test_training import TINY, losses
+
+pytestmark = pytest.mark.slow
+
+PRECISIONS = {"fp32": 1e-4, "bf16": 0.05}   # first-loss tolerance: bf16 weights round the logits
+# 4 layers, so that the frozen trunk's two CCA layers (2 and 4) give each stage one that trains.
+COMMON = [*TINY, "data.max_documents=100", "model.n_layer=4", "train.steps=2"]
+
+
+@pytest.fixture(scope="module")
+def recipe_workdir(tmp_path_factory):
+    """Prepared data and a retrieval database (real BERT embeddings, FAISS Flat), shared by the recipes."""
+    from retropipe.data.prepare import prepare
+    from retropipe.data.store import ChunkStore
+    from retropipe.retrieval.build import build_retrieval
+
+    wd = tmp_path_factory.mktemp("recipes")
+    cfg = config(wd, "tiny-retro.yaml", "fp32")
+    prepare(cfg.data, cfg.data_dir, progress=False)
+    build_retrieval(cfg.retrieval, ChunkStore(cfg.data_dir), cfg.retrieval_dir,
+                    chunks_per_seq=cfg.train.seq_len // cfg.data.chunk_len)
+    return wd
+
+
+def config(workdir, name: str, precision: str, *overrides: str):
+    return load_config(ROOT / "configs" / name, [f"workdir={workdir}", *COMMON, f"train.precision={precision}",
+                                                 *overrides])
+
+
+def run(workdir, name: str, precision: str, run_name: str, *overrides: str) -> dict[int, float]:
+    """Train on 2 processes (2 stages); the run's losses. Asserts it completed with the tied copies equal."""
+    sets = [a for o in [*COMMON, f"train.precision={precision}", f"workdir={workdir}", f"train.name={run_name}",
+                        *overrides] for a in ("--set", o)]
+    code, log = train(2, ["--config", f"configs/{name}", *sets], workdir / f"logs-{run_name}")
+    assert code == 0, log[-3000:]
+    assert "pipeline: 2 stages × 1 data parallel" in log, log[-2000:]
+    summary = json.loads((workdir / "runs" / run_name / "summary.json").read_text())
+    assert summary["tied_embedding_max_diff"] == 0.0  # checked at the start and the end of training
+    return losses(workdir / "runs" / run_name)
+
+
+def first_loss(cfg, warm_from=None) -> float:
+    """Step 1's loss, in-process: the mean over its micro-batches, each layer built under its own
+    seed as the pipeline builds it, warm-started as train.init_from does, in the run's precision."""
+    from retropipe.data.neighbours import NeighbourStore
+    from retropipe.data.reading import Reading
+    from retropipe.data.store import ChunkStore
+    from retropipe.training.models.build import build_model
+    from retropipe.training.models.gpt2 import loss_fn
+    from retropipe.training.models.io import load_model
+    from retropipe.training.run.batches import SequenceBatches, micro_batches
+
+    t = cfg.train
+    model = build_model(cfg.model, layer_seed=t.seed)
+    if warm_from is not None:
+        missing, unexpected = model.load_state_dict(load_model(warm_from).state_dict(), strict=False)
+        assert not unexpected and all("cca" in k or "encoder" in k for k in missing)
+    if t.precision == "bf16":
+        model = model.to(torch.bfloat16)
+    store = ChunkStore(cfg.data_dir)
+    retro = cfg.model.retrieves
+    nbrs = NeighbourStore.of(cfg.retrieval_dir, store, t.seq_len // store.chunk_len,
+                             reading=Reading.for_training(cfg.retrieval)) if retro else None
+    data = SequenceBatches(store, "train", t.seq_len, nbrs, t.neighbours, t.self_neighbours, t.seed)
+    batches = micro_batches(data, 0, t.micro_batch_size, 0, 1, t.seed)
+    total = 0.0
+    with torch.no_grad():
+        for _ in range(t.micro_batches):
+            b = next(batches)
+            tokens = torch.from_numpy(b["tokens"])
+            logits = model(tokens, torch.from_numpy(b["neighbours"])) if retro else model(tokens)
+            total += float(loss_fn(logits, torch.from_numpy(b["labels"])))
+    return total / t.micro_batches
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_every_documented_recipe_trains_on_two_stages(recipe_workdir, precision):
+    wd, tol = recipe_workdir, PRECISIONS[precision]
+    gpt2 = f"gpt2-{precision}"
+    baseline = wd / "runs" / gpt2 / "model"
+    recipes = [  # (name, config, overrides, warm start)
+        (gpt2, "tiny-gpt2.yaml", [], None),
+        (f"retro-{precision}", "tiny-retro.yaml", [], None),
+        (f"warm-{precision}", "tiny-retro.yaml", [f"train.init_from={baseline}"], baseline),
+        (f"retrofit-{precision}", "tiny-retrofit.yaml", [f"train.init_from={baseline}"], baseline),
+    ]
+    for name, cfg_file, overrides, warm in recipes:
+        curve = run(wd, cfg_file, precision, name, *overrides)
+        assert sorted(curve) == [1, 2], (name, curve)
+        expected = first_loss(config(wd, cfg_file, precision, f"train.name={name}", *overrides), warm)
+        assert abs(curve[1] - expected) < tol, (name, curve[1], expected)
+
+    # The baseline extended by a step, and a branch of its step-2 checkpoint: the same next step.
+    extended = run(wd, "tiny-gpt2.yaml", precision, gpt2, "train.steps=3")
+    branch = run(wd, "tiny-gpt2.yaml", precision, f"branch-{precision}", "train.steps=3",
+                 f"train.branch_from={wd / 'runs' / gpt2 / 'checkpoints' / 'step000002'}")
+    assert sorted(extended) == [1, 2, 3] and sorted(branch) == [3], (extended, branch)
+    assert branch[3] == extended[3], (branch, extended)

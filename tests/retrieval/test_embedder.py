@@ -1,0 +1,129 @@
+"""The embedder: sentence-transformers embeddings of chunks, and the models retrieval.embedder names.
+
+retrieval.embedder is "" (the bundled MiniLM), a local directory or a Hugging Face hub id. The
+hub is reached only for a hub id; these tests run offline (conftest.py), so a hub id is served from
+a huggingface_hub cache laid out by the test, as the library lays out its downloads.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from retropipe.data.errors import RetrievalError
+from retropipe.data.store import ChunkStore
+from retropipe.retrieval.build import build_retrieval
+from retropipe.retrieval.embed import cached_embedder, embed
+from retropipe.retrieval.embedder import local_model_path, model_identity, resolve_model_path
+from tests.corpora import ROOT, SEQ_CHUNKS, neighbours_of, retrieval_cfg
+
+REPO, COMMIT = "sentence-transformers/all-MiniLM-L6-v2", "0123456789abcdef0123456789abcdef01234567"
+
+
+def test_embed_matches_sentence_transformers_encode():
+    model = cached_embedder(str(resolve_model_path("")))
+    texts = ["a", "The ship sails across stormy ocean waves, far from home.", "", "naïve café — 12345",
+             "compilers " * 40, "bread"]
+    ours = embed(model, texts, sub_batch=4)
+    reference = model.encode(texts, batch_size=3, normalize_embeddings=True, convert_to_numpy=True)
+    assert ours.shape == (6, 384) and ours.dtype == np.float32
+    np.testing.assert_allclose(ours, reference, atol=2e-5)
+    np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)
+
+
+def test_embeddings_are_aligned_with_chunk_shards(built):
+    root, store, result = built
+    manifest = result["embeddings"]
+    assert manifest["dim"] == 384 and manifest["model"] == "sentence-transformers/all-MiniLM-L6-v2"
+    assert manifest["chunk_store_fingerprint"] == store.fingerprint
+    for split in ("train", "validation"):
+        names = [n.replace(".arrow", ".npy") for n in store.manifest["shards"][split]]
+        assert manifest["shards"][split] == names
+        for name, count in zip(names, store.manifest["shard_chunks"][split]):
+            arr = np.load(root / "retrieval" / "embeddings" / split / name, allow_pickle=False)
+            assert arr.shape == (count, 384) and arr.dtype == np.float16
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """An empty huggingface_hub cache for this test (the library reads its location at each call)."""
+    import huggingface_hub.constants
+
+    cache = tmp_path / "hf-cache"
+    cache.mkdir()
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    return cache
+
+
+def cache_model(cache, repo: str = REPO, commit: str = COMMIT):
+    """Put the bundled MiniLM into the cache as `repo` at `commit`: refs/main → snapshots/<commit>/."""
+    folder = cache / ("models--" + repo.replace("/", "--"))
+    snapshot = folder / "snapshots" / commit
+    shutil.copytree(resolve_model_path(""), snapshot, copy_function=os.symlink)
+    (folder / "refs").mkdir()
+    (folder / "refs" / "main").write_text(commit)
+    return snapshot
+
+
+def test_a_hub_id_is_resolved_through_the_hub_cache(built, tmp_path, hub_cache):
+    snapshot = cache_model(hub_cache)
+    assert resolve_model_path(REPO) == snapshot
+    assert model_identity(snapshot, REPO)["name"] == REPO and model_identity(snapshot, REPO)["revision"] == COMMIT
+    # A node whose driver path does not exist fetches the same commit into its own cache.
+    assert local_model_path(f"/elsewhere/snapshots/{COMMIT}", REPO) == snapshot
+    # The same weights under a hub id: the same neighbours as the bundled model's database.
+    ref_root = built[0]
+    shutil.copytree(ref_root / "data", tmp_path / "data")
+    result = build_retrieval(retrieval_cfg(embedder=REPO), ChunkStore(tmp_path / "data"), tmp_path / "retrieval",
+                             chunks_per_seq=SEQ_CHUNKS)
+    assert result["embeddings"]["model"] == REPO and result["embeddings"]["model_path"] == str(snapshot)
+    for split, ids in neighbours_of(tmp_path).items():
+        np.testing.assert_array_equal(ids, neighbours_of(ref_root)[split])
+
+
+def test_a_hub_id_offline_and_not_cached_is_one_line_naming_the_key(built, tmp_path, hub_cache, capsys):
+    from retropipe.launch.build_index import main
+
+    shutil.copytree(built[0] / "data", tmp_path / "data")
+    code = main(["--config", str(ROOT / "configs" / "tiny.yaml"), "--no-progress", "--set", f"workdir={tmp_path}",
+                 "--set", "data.chunk_len=8", "--set", "train.seq_len=32", "--set", f"retrieval.embedder={REPO}"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "'retrieval.embedder'" in err and REPO in err and "HF_HUB_OFFLINE" in err
+    assert not (tmp_path / "retrieval").exists()  # failed before writing anything
+
+
+@pytest.mark.parametrize("embedder, message", [("./no/such/model", "not a sentence-transformers model directory"),
+                                               ("owner/no-such-model", "neither a local directory nor in the")])
+def test_a_bad_embedder_names_the_key(hub_cache, embedder, message):
+    with pytest.raises(RetrievalError, match=f"'retrieval.embedder'.*{message}"):
+        resolve_model_path(embedder)
+
+
+NO_NETWORK = """
+import socket, sys
+tried = []
+def refuse(host, *args, **kwargs):
+    tried.append(str(host))
+    raise OSError("no network in this test")
+socket.getaddrinfo = refuse
+socket.create_connection = lambda address, *a, **k: refuse(address[0])
+from retropipe.retrieval.embed import embed, load_embedder, model_identity, resolve_model_path
+bundled = str(resolve_model_path(""))
+for name in ("", bundled):  # the default, and a local directory
+    path = resolve_model_path(name)
+    vectors = embed(load_embedder(path), ["no network needed"])
+    model_identity(path, name)
+print("tried:", tried, vectors.shape)
+"""
+
+
+def test_the_bundled_and_a_local_model_never_touch_the_network():
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    proc = subprocess.run([sys.executable, "-c", NO_NETWORK], cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tried: [] (1, 384)" in proc.stdout, proc.stdout

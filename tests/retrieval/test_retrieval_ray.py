@@ -1,0 +1,200 @@
+"""Retrieval and data preparation on a real Ray cluster, as a user runs them (README, 'On a Ray cluster').
+
+One local head, started with Ray's token authentication on, as the README's sequence does:
+
+    export RAY_AUTH_MODE=token
+    ray get-auth-token --generate
+    ray start --head --dashboard-host 127.0.0.1
+    ray job submit --address http://127.0.0.1:8265 --working-dir . -- python launch/build_index.py ...
+    python launch/prepare_data.py ... --address 127.0.0.1:6379
+
+The commands run in a private HOME (its own ~/.ray/auth_token) and temp dir, on free ports, with the
+virtual environment first on PATH, as if activated; the machine's ~/.ray is never touched.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from retropipe.data.neighbours import NeighbourStore
+from retropipe.data.store import ChunkStore
+from retropipe.launch.config import load_config
+from retropipe.retrieval.build import build_retrieval
+from tests.corpora import CHUNK_LEN, PY, ROOT, SEQ_CHUNKS, neighbours_of
+from tests.distributed import free_port
+
+pytestmark = pytest.mark.slow
+
+# What a user's shell holds after `source .venv/bin/activate` and `export RAY_AUTH_MODE=token`.
+VENV_BIN = str(Path(PY).parent)
+
+
+def stop_ray_head(proc: subprocess.Popen, temp_dir: str) -> None:
+    """Stop only the head these tests started (not `ray stop`, which would stop every Ray here)."""
+    proc.terminate()  # `ray start --block` takes the processes it started down with it
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        pass
+    for pid in os.listdir("/proc"):  # anything of this head that outlived it, by its own temp dir
+        if pid.isdigit() and int(pid) != os.getpid():
+            try:
+                if temp_dir.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    os.kill(int(pid), signal.SIGKILL)
+            except (OSError, ProcessLookupError):
+                pass
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory):
+    """A real local Ray head with token authentication; yields (gcs address, dashboard URL, user's env)."""
+    home = tmp_path_factory.mktemp("home")
+    temp_dir = tempfile.mkdtemp(prefix="/tmp/rpray")  # short: Ray's socket paths have a length limit
+    env = {**os.environ, "HOME": str(home), "RAY_AUTH_MODE": "token", "PATH": f"{VENV_BIN}:{os.environ['PATH']}",
+           "PYTHONPATH": str(ROOT)}
+    env.pop("RAY_ADDRESS", None)
+    token = subprocess.run(["ray", "get-auth-token", "--generate"], env=env, capture_output=True, text=True,
+                           timeout=120)
+    assert token.returncode == 0 and (home / ".ray" / "auth_token").is_file(), token.stderr
+    port, dash = free_port(), free_port()
+    head = subprocess.Popen(["ray", "start", "--head", "--block", "--port", str(port), "--dashboard-host", "127.0.0.1",
+                             "--dashboard-port", str(dash), "--num-cpus", "2", "--temp-dir", temp_dir,
+                             "--include-dashboard", "true"], env=env, cwd=ROOT, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        address = f"http://127.0.0.1:{dash}"
+        deadline = time.time() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"{address}/api/version", timeout=2)
+                break
+            except urllib.error.HTTPError:  # the dashboard answers (a refusal without a token is an answer)
+                break
+            except OSError:
+                if time.time() > deadline or head.poll() is not None:
+                    pytest.fail("the Ray head did not come up")
+                time.sleep(1)
+        yield f"127.0.0.1:{port}", address, env
+    finally:
+        stop_ray_head(head, temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_the_head_requires_a_token(ray_head):
+    _, address, _ = ray_head
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(f"{address}/api/jobs/", timeout=10)
+    assert refused.value.code == 401  # token authentication is on: the tests below pass it as a user does
+
+
+# The driver of the killed-actor run: a fresh process, as a user's driver is (a pytest process
+# that already hosted another Ray cluster keeps Ray state that makes new actors die at init).
+KILLED_DRIVER = """
+import json, os, signal, sys
+from pathlib import Path
+from retropipe.data.store import ChunkStore
+from retropipe.launch.ray_utils import RayExecutor
+from retropipe.retrieval.embed import embed_store
+from retropipe.retrieval.ray_embed import EmbedChunks, RayEmbedRunner
+
+address, data_dir, out, marker = sys.argv[1:5]
+
+class KillsItselfOnce(EmbedChunks):
+    def __call__(self, batch):
+        if not Path(marker).exists():
+            Path(marker).touch()
+            os.kill(os.getpid(), signal.SIGKILL)  # a worker dying mid-stage, not an exception
+        return super().__call__(batch)
+
+executor = RayExecutor(address=address)
+try:
+    manifest = embed_store(ChunkStore(data_dir), Path(out), "", 8, RayEmbedRunner(executor, actors=1, udf=KillsItselfOnce))
+finally:
+    executor.close()
+print("MANIFEST " + json.dumps(manifest["shards"]))
+"""
+
+
+def test_killed_ray_actor_is_retried_without_corrupting_output(built, tmp_path, ray_head):
+    ref_root, store, ref = built
+    marker = tmp_path / "killed-once"
+    proc = subprocess.run(["python", "-c", KILLED_DRIVER, ray_head[0], str(ref_root / "data"),
+                           str(tmp_path / "embeddings"), str(marker)], cwd=ROOT, env=ray_head[2],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert marker.exists()  # the worker was killed; Ray Data or the runner's retry redid its jobs
+    shards = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("MANIFEST "))[9:])
+    for split in ("train", "validation"):
+        for name in shards[split]:
+            ours = np.load(tmp_path / "embeddings" / split / name, allow_pickle=False)
+            theirs = np.load(ref_root / "retrieval" / "embeddings" / split / name, allow_pickle=False)
+            assert ours.shape == theirs.shape
+            np.testing.assert_allclose(ours.astype(np.float32), theirs.astype(np.float32), atol=2e-3)
+
+
+JOB_SETTINGS = [f"data.chunk_len={CHUNK_LEN}", "train.seq_len=32", "retrieval.embed_batch_size=8",
+                "retrieval.recall_queries=10", "retrieval.train_sample=0", "retrieval.k=2", "eval.more_neighbours=0"]
+
+
+def test_ray_job_submit_to_a_local_head(built, tmp_path, ray_head):
+    ref_root, store, _ = built
+    shutil.copytree(ref_root / "data", tmp_path / "data")
+    _, address, env = ray_head
+    sets = [a for s in [f"workdir={tmp_path}", *JOB_SETTINGS] for a in ("--set", s)]
+    submit = ["ray", "job", "submit", "--address", address, "--working-dir", ".", "--",
+              "python", "launch/build_index.py", "--config", "configs/tiny.yaml", "--no-progress", *sets]
+    # The dashboard answers before the head's job agent has registered; Ray then refuses with
+    # "No available agent ... try again later" (nothing was submitted), and a user tries again.
+    for _ in range(12):
+        job = subprocess.run(submit, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        if "No available agent to submit job" not in job.stdout + job.stderr:
+            break
+        time.sleep(5)
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    assert "retrieval database in" in job.stdout and "recall@2" in job.stdout
+    assert "logging_progress" not in job.stdout and "Loading weights" not in job.stdout  # quiet by default
+    # The job's embeddings are the reference's up to float rounding (Ray actors run other thread
+    # counts), and its index and neighbours are exactly what an in-process build makes of them.
+    for split in ("train", "validation"):
+        for name in sorted((tmp_path / "retrieval" / "embeddings" / split).glob("*.npy")):
+            ours = np.load(name, allow_pickle=False).astype(np.float32)
+            theirs = np.load(ref_root / "retrieval" / "embeddings" / split / name.name, allow_pickle=False)
+            np.testing.assert_allclose(ours, theirs.astype(np.float32), atol=2e-3)
+    check = tmp_path / "in-process"
+    shutil.copytree(tmp_path / "data", check / "data")
+    shutil.copytree(tmp_path / "retrieval" / "embeddings", check / "retrieval" / "embeddings")
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", [f"workdir={check}", *JOB_SETTINGS])
+    result = build_retrieval(cfg.retrieval, ChunkStore(check / "data"), check / "retrieval", SEQ_CHUNKS)
+    assert result["embeddings"].get("skipped")  # the job's own embeddings, reused
+    reader = NeighbourStore.of(tmp_path / "retrieval", ChunkStore(tmp_path / "data"), chunks_per_seq=SEQ_CHUNKS)
+    for split in ("train", "validation"):
+        np.testing.assert_array_equal(reader.ids(split), neighbours_of(check)[split])
+        assert reader.ids(split).shape == neighbours_of(ref_root)[split].shape
+
+
+def test_prepare_data_joins_a_cluster_by_address(tmp_path, ray_head):
+    gcs, _, env = ray_head
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"id": f"d{i}", "text": f"document {i} " * 20}) + "\n" for i in range(40)))
+    cmd = ["python", "launch/prepare_data.py", "--config", "configs/tiny.yaml", "--no-progress", "--address", gcs,
+           "--set", f"workdir={tmp_path}", "--set", f"data.corpus={corpus}", "--set", "data.docs_per_shard=10"]
+    joined = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert joined.returncode == 0, joined.stderr[-3000:]
+    assert ChunkStore(tmp_path / "data").manifest["splits"]["train"]["documents"] > 30
+    # Without RAY_AUTH_MODE=token the head refuses the client: one line saying what to set.
+    no_auth = {k: v for k, v in env.items() if k != "RAY_AUTH_MODE"}
+    cmd[cmd.index(f"workdir={tmp_path}")] = f"workdir={tmp_path / 'refused'}"
+    refused = subprocess.run(cmd, env=no_auth, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    last = refused.stderr.strip().splitlines()[-1]
+    assert refused.returncode == 2 and last.startswith("prepare_data: error: cannot join the Ray cluster"), last
+    assert "export RAY_AUTH_MODE=token" in last and not (tmp_path / "refused" / "data" / "manifest.json").exists()

@@ -1,0 +1,95 @@
+"""The evaluation rules: which rows a report holds, what each feeds the model, leakage, the database curve.
+
+    report = evaluate_models([("gpt2", gpt2), ("retro", retro)], chunks, byte_lengths, cfg.eval, neighbours)
+
+Rows, per model (bits per byte on the same chunks, training/evaluation/scoring.py):
+    GPT-2:  "<label> (baseline)"          no neighbours
+    RETRO:  "<label> RETRO[ON] k=K"       each chunk's own neighbours, K = eval.neighbours
+            "<label> RETRO[OFF]"          none: every CCA adds an exact zero, the trunk alone
+            "<label> RETRO[SHUFFLED]"     each chunk gets the K neighbours of a chunk of another
+                                          document (data/reading.py, `shuffled`): same count and shape,
+                                          unrelated content. ON below SHUFFLED is use of the neighbours'
+                                          content; SHUFFLED below OFF is a content-free offset.
+            "<label> RETRO[ON] k=K2"      K2 = eval.more_neighbours, when larger than K
+Leakage: α per chunk against the neighbours it is predicted with (training/evaluation/leakage.py), and every
+row's bits per byte per α bucket. The database-size curve: RETRO[ON] of each RETRO model against
+growing databases (`curve`: one neighbour source per database size).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from retropipe.training.evaluation.leakage import alpha_buckets, leakage
+from retropipe.training.evaluation.scoring import ChunkScores, score_split
+
+
+@dataclass
+class Row:
+    name: str
+    model: object
+    neighbours: object   # None, or a source of neighbour_tokens
+    k: int
+
+
+def report_rows(models: list[tuple[str, object]], eval_cfg, neighbours) -> list[Row]:
+    """The rows the rules above give for these models (neighbours: the split's NeighbourStore)."""
+    k, more = eval_cfg.neighbours, eval_cfg.more_neighbours
+    rows = []
+    for label, model in models:
+        if not model.cfg.retrieves:
+            rows.append(Row(f"{label} (baseline)", model, None, 0))
+            continue
+        if neighbours is None:
+            raise ValueError(f"{label} is a RETRO model: evaluating it needs neighbours")
+        rows += [Row(f"{label} RETRO[ON] k={k}", model, neighbours, k),
+                 Row(f"{label} RETRO[OFF]", model, None, 0),
+                 Row(f"{label} RETRO[SHUFFLED]", model, neighbours.read_as(neighbours.reading.but(shuffled=True)), k)]
+        if more > k:
+            rows.append(Row(f"{label} RETRO[ON] k={more}", model, neighbours, more))
+    return rows
+
+
+def evaluate_models(models: list[tuple[str, object]], chunks, byte_lengths: np.ndarray, eval_cfg, neighbours=None,
+                    curve: list[tuple[str, int, object]] | None = None, progress=None, device=None) -> dict:
+    """Score every row on `chunks` (data.store.SplitChunks); the report as a JSON-able dict.
+
+    curve: [(label, database tokens, neighbour source)] for the database-size curve (RETRO only).
+    device: where the batches go (None = each model's own device).
+    """
+    e = eval_cfg
+    count = min(len(chunks), e.max_chunks or len(chunks))
+    scores: dict[str, ChunkScores] = {}
+
+    def score(name, model, source, k):
+        bar = progress(name) if progress else None
+        scores[name] = score_split(model, chunks, byte_lengths, e.window, e.stride, source, k, e.batch_size,
+                                   device=device, progress=bar, max_chunks=e.max_chunks)
+        return scores[name]
+
+    rows = []
+    for row in report_rows(models, e, neighbours):
+        s = score(row.name, row.model, row.neighbours, row.k)
+        rows.append({"model": row.name, "bits_per_byte": s.bits_per_byte(), "perplexity": s.perplexity(),
+                     "tokens": int(s.tokens.sum()), "bytes": int(s.bytes.sum())})
+    report = {"window": e.window, "stride": e.stride, "chunks": count, "rows": rows, "alpha": None,
+              "database_curve": None}
+    if neighbours is not None:
+        alpha = leakage(chunks, neighbours, e.neighbours, count)
+        buckets = [{"bucket": label, "chunks": int(sel.sum()),
+                    **{name: (s.bits_per_byte(sel) if sel.any() else None) for name, s in scores.items()}}
+                   for label, sel in alpha_buckets(alpha)]
+        report["alpha"] = {"buckets": buckets, "mean": float(alpha.mean()) if count else 0.0}
+    retro = [(label, model) for label, model in models if model.cfg.retrieves]
+    if curve and retro:
+        points = []
+        for size_label, tokens, source in curve:
+            point = {"database": size_label, "tokens": int(tokens)}
+            for label, model in retro:
+                point[label] = score(f"{label} RETRO[ON] k={e.neighbours} ({size_label})", model, source,
+                                     e.neighbours).bits_per_byte()
+            points.append(point)
+        report["database_curve"] = {"models": [label for label, _ in retro], "points": points}
+    return report

@@ -1,0 +1,119 @@
+"""Bits per byte with a sliding window, per chunk.
+
+The evaluated split is read as one stream of chunks (documents in order, each chunk padded to
+chunk_len). A window of L = window / chunk_len chunks slides by S = stride / chunk_len chunks;
+each window scores only the targets in its last S chunks (the first window scores all), so
+every real token after the first is predicted exactly once, with at least window − stride
+tokens of context. Padding is never a target. Bits per byte = Σ NLL / ln 2 / Σ UTF-8 bytes of
+the scored tokens (tiktoken's BPE is lossless on bytes, so Σ bytes is the text's byte length).
+Results are kept per chunk, so any subset (an α bucket, training/evaluation/leakage.py) can be reported.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from retropipe.training.models.lm_head import token_nll
+
+
+@dataclass
+class ChunkScores:
+    """Per evaluated chunk: summed NLL (nats) of its real tokens as targets, their count and bytes."""
+
+    nll: np.ndarray      # (c,) float64
+    tokens: np.ndarray   # (c,) int64
+    bytes: np.ndarray    # (c,) int64
+
+    def bits_per_byte(self, select: np.ndarray | None = None) -> float:
+        sel = slice(None) if select is None else select
+        return float(self.nll[sel].sum() / math.log(2) / max(self.bytes[sel].sum(), 1))
+
+    def perplexity(self, select: np.ndarray | None = None) -> float:
+        sel = slice(None) if select is None else select
+        return float(math.exp(self.nll[sel].sum() / max(self.tokens[sel].sum(), 1)))
+
+
+def token_byte_lengths(encoding) -> np.ndarray:
+    """UTF-8 byte length of every token id (special tokens count 0 bytes)."""
+    lengths = np.zeros(encoding.n_vocab, dtype=np.int64)
+    for t in range(encoding.n_vocab):
+        try:
+            lengths[t] = len(encoding.decode_single_token_bytes(t))
+        except KeyError:
+            lengths[t] = 0
+    lengths[encoding.eot_token] = 0
+    return lengths
+
+
+@torch.no_grad()
+def score_split(model, chunks, byte_lengths: np.ndarray, window: int, stride: int, neighbours=None,
+                k: int = 0, batch_size: int = 4, device=None, progress=None,
+                max_chunks: int = 0) -> ChunkScores:
+    """Sliding-window scores of every chunk of a split (`chunks`: data.store.SplitChunks).
+
+    `neighbours`: for RETRO, anything with neighbour_tokens(split, ids (b, l), k) -> (b, l, k, r)
+    int64, -1 = missing (a data.neighbours.NeighbourStore); None = the baseline, or RETRO[OFF]
+    when the model is RETRO. `k` neighbours per chunk (0 = all stored). Inputs go to `device`
+    (None = the model's); each batch's per-token NLL comes back to the CPU once, for numpy.
+    """
+    m = chunks.chunk_len
+    device = device or next(model.parameters()).device
+    if window % m or stride % m or stride > window:
+        raise ValueError(f"window ({window}) and stride ({stride}) must be multiples of chunk_len ({m}), "
+                         f"stride <= window")
+    L, S, c = window // m, stride // m, min(len(chunks), max_chunks or len(chunks))
+    scored_from = window_starts(c, L, S)  # window start → first chunk whose targets it scores
+    starts = list(scored_from)
+    nll = np.zeros(c)
+    count = np.zeros(c, dtype=np.int64)
+    retro = getattr(model, "cfg", None) is not None and model.cfg.retrieves
+    batches = [starts[i:i + batch_size] for i in range(0, len(starts), batch_size)]
+    for group in (progress(batches) if progress else batches):
+        ids = np.stack([np.arange(s, s + L) for s in group])  # (b, L); windows never run past the end
+        ids = np.minimum(ids, c - 1)
+        b = len(group)
+        tokens = chunks.tokens(ids.reshape(-1)).reshape(b, L * m).astype(np.int64)
+        real = (np.arange(m)[None, None] < chunks.lengths[ids][..., None]).reshape(b, L * m)
+        x = torch.from_numpy(tokens).to(device)
+        nbr = None  # the baseline, or RETRO[OFF]
+        if retro and neighbours is not None:
+            nbr = torch.from_numpy(neighbours.neighbour_tokens(chunks.split, ids, k=k)).to(device)
+        h = model.hidden(x, nbr) if retro else model.hidden(x)                     # (b, n, d)
+        # Slice by slice through the head: the logits of a whole batch are never held at once.
+        target_nll = token_nll(h[:, :-1], model.wte.weight, x[:, 1:]).cpu().numpy()  # (b, n - 1)
+        # Target position p (1..n-1) of window row i lies in chunk ids[i, p // m]; keep it if it is
+        # real, inside the split and in this window's scored range (and not a clamped repeat).
+        pos = np.arange(1, L * m)
+        target_chunk = ids[:, pos // m]                                             # (b, n - 1)
+        unclamped = (np.array(group)[:, None] + pos[None] // m) == target_chunk
+        first_scored = np.array([scored_from[s] for s in group])[:, None]
+        keep = real[:, 1:] & unclamped & (target_chunk >= first_scored)
+        np.add.at(nll, target_chunk[keep], target_nll[keep])
+        np.add.at(count, target_chunk[keep], 1)
+    return ChunkScores(nll, count, chunk_bytes(chunks, byte_lengths, c))
+
+
+def window_starts(c: int, L: int, S: int) -> dict[int, int]:
+    """The windows of L chunks over c chunks, sliding by S (the last one ends at the split's end):
+    {first chunk of the window: first chunk whose targets it scores} (the chunks before are
+    scored by an earlier window)."""
+    starts = [0] + list(range(S, max(c - L, 0) + S, S)) if c > L else [0]
+    scored_from, prev_end = {}, 0
+    for s in sorted({min(s, max(c - L, 0)) for s in starts}):
+        scored_from[s] = prev_end
+        prev_end = min(s + L, c)
+    return scored_from
+
+
+def chunk_bytes(chunks, byte_lengths: np.ndarray, c: int) -> np.ndarray:
+    """(c,) int64: UTF-8 bytes of the scored tokens of each of the first c chunks."""
+    lengths = chunks.lengths
+    all_tokens = chunks.tokens(np.arange(c))
+    nbytes = np.array([byte_lengths[all_tokens[u, :lengths[u]]].sum() for u in range(c)], dtype=np.int64)
+    # The very first token of the split is never a target: drop its bytes from the denominator.
+    nbytes[0] -= byte_lengths[all_tokens[0, 0]]
+    return nbytes

@@ -1,0 +1,6 @@
+"""retropipe.training.models: what the networks compute, in plain torch. The `model` config
+section; GPT-2 (`gpt2`), RETRO as its subclass (`retro`, with `cca` and `encoder`); the layer list
+both are built from (`layers`), which pipeline stages are cut from; the fused output head
+(`lm_head`); FLOP estimates; our model directory and Hugging Face GPT-2 interchange (`io`,
+`hf_interop`). Imports torch and retropipe.data only. A new model variant is a class here.
+"""

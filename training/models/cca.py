@@ -1,0 +1,164 @@
+"""Attention with rotary relative positions, and RETRO's chunked cross-attention (CCA).
+
+One `Attention` module serves the encoder's self-attention, the encoder's cross-attention to
+the decoder, and the CCA; the CCA is a thin wrapper that does the causal shift (a pad) and the
+chunk reshapes around it. Missing neighbour tokens (id -1) are masked out of the keys.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from einops import rearrange
+
+from retropipe.training.models.config import ModelConfig
+
+
+def rotary(x: torch.Tensor, pos: torch.Tensor, base: float) -> torch.Tensor:
+    """Rotate feature pairs (x_i, x_{i+c/2}) of x (..., t, c) by pos (t,) · base^(-2i/c) (RoFormer, rotate-half).
+
+    q·k then depends on the positions only through their difference: a relative encoding.
+    """
+    c = x.shape[-1]
+    inv_freq = base ** (-torch.arange(0, c, 2, device=x.device, dtype=torch.float32) / c)
+    angles = pos.to(torch.float32)[:, None] * inv_freq[None]  # (t, c/2), fp32 even under autocast
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def key_mask(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """From valid keys (..., t) bool: the SDPA mask and whether any key is valid (..., 1).
+
+    A row with no valid key would softmax over nothing (NaN, and NaN gradients even if the output
+    is zeroed later), so such rows attend to all keys instead and the caller multiplies their
+    output by `any_valid` = 0: an exact zero contribution.
+    """
+    any_valid = valid.any(dim=-1, keepdim=True)
+    return valid | ~any_valid, any_valid
+
+
+class Attention(nn.Module):
+    """Multi-head attention of queries x (B, t, d_q) over a context (B, s, d_kv) → (B, t, d_q)."""
+
+    def __init__(self, d_q: int, d_kv: int, width: int, n_head: int, dropout: float, rotary_base: float):
+        super().__init__()
+        self.n_head, self.dropout, self.rotary_base = n_head, dropout, rotary_base
+        self.q = nn.Linear(d_q, width)
+        self.kv = nn.Linear(d_kv, 2 * width)
+        self.proj = nn.Linear(width, d_q)
+        self.resid_drop = nn.Dropout(dropout)
+
+    def forward(self, x, context, q_pos, k_pos, mask=None, bias=None):
+        # mask: bool, broadcastable to (B, heads, t, s), True = attend; bias: float, broadcastable
+        # to the same, added to the attention logits (a relative-position term).
+        q = rearrange(self.q(x), "B t (h c) -> B h t c", h=self.n_head)
+        k, v = rearrange(self.kv(context), "B s (two h c) -> two B h s c", two=2, h=self.n_head)
+        q, k = rotary(q, q_pos, self.rotary_base), rotary(k, k_pos, self.rotary_base)
+        if bias is not None:
+            bias = bias.to(q.dtype)
+            mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.resid_drop(self.proj(rearrange(y, "B h t c -> B t (h c)")))
+
+
+class ChunkedCrossAttention(nn.Module):
+    """CCA (RETRO §2.4): the tokens of chunk u attend to the encoded neighbours of chunk u-1.
+
+    Causal shift: the neighbours of chunk u were retrieved with chunk u's own tokens, so only
+    positions that have seen all of chunk u may use them, i.e. positions (u+1)·m-1 … (u+2)·m-2
+    (m = chunk_len): chunk u's last token and the next chunk minus its last token. Shifting the
+    queries left by m-1 (a pad) lines those positions up with chunk u. The first m-1 positions
+    have no retrieval before them and get an exact zero (the residual only).
+
+    Relative positions: query i of the shifted chunk u sits at offset m-1+i from the start of
+    chunk u; neighbour token j sits at offset j from the start of its neighbour, which is aligned
+    with chunk u (its continuation with chunk u+1). They enter twice, as in the Transformer-XL
+    relative encoding RETRO uses (§B): through the content (rotary q·k, relative by construction)
+    and as a learned bias per head and relative offset j − (m-1+i), the query-independent term.
+    That bias is what lets a query find the neighbour token aligned with the token it predicts
+    (offset +1) within tens of steps; rotary alone needs hundreds (docs/models.md). All k·r tokens
+    of the chunk's neighbours are attended to jointly; missing ones (id -1) are masked.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        m = self.chunk_len = cfg.chunk_len
+        self.ln = nn.LayerNorm(cfg.n_embd)
+        self.attn = Attention(cfg.n_embd, cfg.encoder_embd, cfg.n_embd, cfg.n_head, cfg.dropout, cfg.rotary_base)
+        # One logit bias per head and offset j − q in [-(2m-2), m]: 3m - 1 offsets, applied as
+        # position_bias_scale × the parameter (ModelConfig: the bias must learn fast).
+        self.position_bias = nn.Parameter(torch.zeros(cfg.n_head, 3 * m - 1))
+        self.position_bias_scale = cfg.position_bias_scale
+
+    def forward(self, h: torch.Tensor, encoded: torch.Tensor, neighbours: torch.Tensor) -> torch.Tensor:
+        # h (b, n, d); encoded (b, l, k, r, e); neighbours (b, l, k, r) int64, -1 = missing.
+        m = self.chunk_len
+        b = h.shape[0]
+        x = F.pad(self.ln(h), (0, 0, -(m - 1), m - 1))  # (b, n, d): row p now holds position p+m-1
+        q = rearrange(x, "b (l m) d -> (b l) m d", m=m)
+        y = self.attend(q, rearrange(encoded, "b l k r e -> (b l) k r e"),
+                        rearrange(neighbours, "b l k r -> (b l) k r"), torch.arange(m, device=h.device))
+        y = rearrange(y, "(b l) m d -> b (l m) d", b=b)
+        return F.pad(y, (0, 0, m - 1, -(m - 1)))  # undo the shift; positions 0 … m-2 get zeros
+
+    def attend(self, q: torch.Tensor, encoded: torch.Tensor, neighbours: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """q (B, t, d): normalised queries at rows `rows` (t,) of their shifted chunks; encoded
+        (B, k, r, e) and neighbours (B, k, r) of those chunks → (B, t, d), an exact zero where a
+        chunk has no neighbour at all."""
+        m = self.chunk_len
+        B, k, r = neighbours.shape
+        context = rearrange(encoded, "B k r e -> B (k r) e")
+        valid = rearrange(neighbours >= 0, "B k r -> B 1 1 (k r)")  # broadcast over heads, queries
+        mask, any_valid = key_mask(valid)
+        q_pos = rows + (m - 1)
+        k_pos = torch.arange(r, device=q.device).repeat(k)  # every neighbour starts at offset 0
+        offsets = k_pos[None, :] - q_pos[:, None] + 2 * m - 2   # (t, k r), indices into position_bias
+        bias = self.position_bias_scale * self.position_bias[:, offsets][None]   # (1, heads, t, k r)
+        y = self.attn(q, context, q_pos, k_pos, mask, bias)  # (B, t, d)
+        return y * rearrange(any_valid, "B 1 1 1 -> B 1 1").to(y.dtype)  # no neighbour → exact zero
+
+    def decode(self, h: torch.Tensor, start: int, encoded: torch.Tensor | None, neighbours: torch.Tensor) -> torch.Tensor:
+        """forward's output at the new positions start … start + T - 1 only (h (b, T, d)).
+
+        encoded (b, l, k, r, e) and neighbours (b, l, k, r) hold the sequence's chunks from 0; a
+        new position p reads chunk (p + 1) // m - 1 only, which is complete by p (so the caller
+        need not have encoded any later one).
+        """
+        m = self.chunk_len
+        b, n, d = h.shape
+        first, last = max(start, m - 1), start + n - 1     # the new positions that have a chunk to read
+        out = h.new_zeros(b, n, d)
+        if last < first:
+            return out
+        s0, s1 = first - (m - 1), last - (m - 1)           # their rows in the shifted layout
+        u0, u1 = s0 // m, s1 // m
+        x = self.ln(h[:, first - start:])                  # (b, t, d)
+        if u0 == u1:  # one chunk (every step after the first): only the new rows are computed
+            rows = torch.arange(s0 % m, s1 % m + 1, device=h.device)
+            y = self.attend(x, encoded[:, u0], neighbours[:, u0], rows)
+        else:         # a prompt over several chunks: lay the rows out in whole chunks, as forward
+            chunks = h.new_zeros(b, (u1 - u0 + 1) * m, d)
+            chunks[:, s0 - u0 * m:s1 - u0 * m + 1] = x
+            y = self.attend(rearrange(chunks, "b (l m) d -> (b l) m d", m=m),
+                            rearrange(encoded[:, u0:u1 + 1], "b l k r e -> (b l) k r e"),
+                            rearrange(neighbours[:, u0:u1 + 1], "b l k r -> (b l) k r"), torch.arange(m, device=h.device))
+            y = rearrange(y, "(b l) m d -> b (l m) d", b=b)[:, s0 - u0 * m:s1 - u0 * m + 1]
+        out[:, first - start:] = y
+        return out
+
+
+def cca_flops(cfg: ModelConfig, n: int, k: int, first: bool) -> float:
+    """Forward FLOPs of one CCA over n tokens with k neighbours per chunk (queries, keys and values,
+    attention); the first CCA layer's also holds the encoder's (input projection, then per layer
+    self-attention, cross-attention to the chunk, MLP)."""
+    d, e, m = cfg.n_embd, cfg.encoder_embd, cfg.chunk_len
+    r = 2 * m
+    nb = (n // m) * k * r  # neighbour tokens per sequence
+    flops = 4 * n * d * d + 4 * nb * e * d + 4 * n * k * r * d
+    if first:
+        per_layer = 8 * nb * e * e + 4 * nb * r * e + 4 * nb * e * e + 4 * n * d * e + 4 * nb * m * e + 16 * nb * e * e
+        flops += 2 * nb * d * e + cfg.encoder_layers * per_layer
+    return flops

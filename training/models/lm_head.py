@@ -1,0 +1,145 @@
+"""The output head and its cross-entropy, fused and computed over slices of tokens.
+
+    loss = lm_loss(h, wte.weight, labels)        # h (b, n, d), labels (b, n): the mean token NLL
+
+Plain path: logits = h @ Wᵀ, (b, n, vocab) at once, then cross-entropy. At GPT-2's 50,257-way
+vocabulary the logits dwarf everything else a small model holds: 4 × 256 × 50,257 floats are
+206 MB, written, read and written again by the softmax and its gradient. The fused path never
+holds more than `slice_tokens` rows of logits: for each slice of tokens it computes the logits,
+their softmax (one row-wise pass) and the loss, and, when gradients are wanted, straight away
+the gradient of the loss with respect to the slice's logits (softmax − one-hot, in place) and
+from it the gradients of h and W (W's accumulated in place), which backward only scales. The
+same FLOPs as the plain path (6·N·d·V with W trainable, 4·N·d·V without), a fraction of the
+memory traffic. `loss_fn(logits, labels)` in
+training/models/gpt2.py stays the plain path; a test checks both give the same loss and gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+
+IGNORE_INDEX = -100
+# Tokens per slice: 256 × 50,257 fp32 logits are 51 MB; small enough to stay out of the way,
+# large enough that the slice matmuls run at full speed (bench/lm_head.py measures it).
+SLICE_TOKENS = 256
+
+
+class _FusedLMLoss(torch.autograd.Function):
+    """Summed NLL of labels under softmax(h @ Wᵀ), slice by slice; gradients computed in forward."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, slice_tokens: int):
+        # h (N, d), weight (V, d), labels (N,) with IGNORE_INDEX for no target.
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        ctx.h_dtype, ctx.w_dtype = h.dtype, weight.dtype
+        n_tokens, vocab = h.shape[0], weight.shape[0]
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        grad_h = torch.empty_like(h) if want_h else None
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_w else None
+        # Matmuls in h's precision (bf16 under mixed precision) or autocast's (the `out=` matmuls
+        # below bypass autocast, so cast here); softmax and loss in fp32.
+        mm_dtype = _autocast_dtype(h.device.type) or h.dtype
+        hm, w = h.to(mm_dtype), weight.to(mm_dtype)
+        fp32 = mm_dtype == torch.float32 and h.dtype == torch.float32
+        # Two (S, V) buffers for all slices: the logits and their softmax. A fresh 51 MB tensor per
+        # slice costs its page faults every time; a row-wise softmax into a buffer reads each row
+        # once from cache, where logsumexp, sub_ and exp_ each streamed the whole slice.
+        rows = min(slice_tokens, n_tokens)
+        logits_buf = torch.empty(rows, vocab, dtype=mm_dtype, device=h.device)
+        probs_buf = torch.empty(rows, vocab, dtype=torch.float32, device=h.device)
+        for start in range(0, n_tokens, slice_tokens):
+            hs, ys = hm[start:start + slice_tokens], labels[start:start + slice_tokens]
+            s = len(ys)
+            logits = torch.mm(hs, w.t(), out=logits_buf[:s])                      # (S, V)
+            valid = ys != IGNORE_INDEX
+            target = torch.where(valid, ys, 0)
+            probs = torch.ops.aten.softmax.int_out(logits, -1, torch.float32, out=probs_buf[:s])  # (S, V) fp32
+            total += torch.where(valid, _target_nll(logits, probs, target), 0.0).sum()
+            if want_h or want_w:
+                _slice_grads(probs, target, valid, hs, w, grad_h[start:start + slice_tokens] if want_h else None,
+                             grad_w, fp32)
+        ctx.save_for_backward(grad_h, grad_w)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        grad_h, grad_w = ctx.saved_tensors
+        dh = (grad_h * grad_output.to(grad_h.dtype)) if grad_h is not None else None
+        dw = (grad_w * grad_output).to(ctx.w_dtype) if grad_w is not None else None
+        return dh, dw, None, None
+
+
+def _target_nll(logits: torch.Tensor, probs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """(S,) NLL of target under probs (S, V) fp32, the softmax of logits (S, V)."""
+    p_target = probs.gather(1, target[:, None]).squeeze(1)                        # (S,)
+    nll = -torch.log(p_target)
+    # A probability below fp32's normal range has lost its digits (or is 0): take those rows' NLL
+    # exactly from their logits, lse − logit.
+    lost = p_target < torch.finfo(torch.float32).tiny
+    if lost.any():
+        rows_lost = logits[lost].float()
+        nll[lost] = torch.logsumexp(rows_lost, -1) - rows_lost.gather(1, target[lost, None]).squeeze(1)
+    return nll
+
+
+def _slice_grads(probs: torch.Tensor, target: torch.Tensor, valid: torch.Tensor, hs: torch.Tensor, w: torch.Tensor,
+                 grad_h: torch.Tensor | None, grad_w: torch.Tensor | None, fp32: bool) -> None:
+    """One slice's gradients of Σ nll: into grad_h (its rows, (S, d)) and added into grad_w (V, d).
+
+    d(Σ nll)/d logits = softmax − one-hot on rows with a target, computed in place of probs."""
+    grad = probs
+    grad[torch.arange(len(target), device=probs.device), target] -= 1.0
+    if not valid.all():
+        grad[~valid] = 0.0
+    if fp32:
+        if grad_h is not None:
+            torch.mm(grad, w, out=grad_h)
+        if grad_w is not None:
+            grad_w.addmm_(grad.t(), hs)                                           # accumulates in place
+    else:
+        grad = grad.to(w.dtype)
+        if grad_h is not None:
+            grad_h[:] = grad @ w                                                  # into h's dtype
+        if grad_w is not None:
+            grad_w += (grad.t() @ hs).float()
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast computes matmuls in on this device type, or None when it is off."""
+    try:
+        return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+    except (AttributeError, TypeError):  # torch < 2.4: per-device functions
+        if device_type == "cpu":
+            return torch.get_autocast_cpu_dtype() if torch.is_autocast_cpu_enabled() else None
+        return torch.get_autocast_gpu_dtype() if torch.is_autocast_enabled() else None
+
+
+def lm_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, slice_tokens: int = SLICE_TOKENS) -> torch.Tensor:
+    """Mean cross-entropy of labels (b, n) under the tied head W (V, d) applied to h (b, n, d).
+
+    Labels are already the next tokens; IGNORE_INDEX (-100) is no target. Computed in fp32
+    whatever h's dtype; a batch with no target gives 0, not NaN (as training.models.gpt2.loss_fn).
+    """
+    h2, y = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
+    total = _FusedLMLoss.apply(h2, weight, y, slice_tokens)
+    return total / (y != IGNORE_INDEX).sum().clamp(min=1)
+
+
+def token_nll(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, slice_tokens: int = SLICE_TOKENS) -> torch.Tensor:
+    """Per-token NLL (b, n) of targets under the head, without gradients, slice by slice (evaluation)."""
+    with torch.no_grad():
+        mm_dtype = _autocast_dtype(h.device.type) or h.dtype      # as _FusedLMLoss
+        h2, y = h.reshape(-1, h.shape[-1]).to(mm_dtype), targets.reshape(-1)
+        out = torch.empty(y.shape, dtype=torch.float32, device=h.device)
+        w = weight.to(mm_dtype)
+        rows = min(slice_tokens, h2.shape[0])
+        logits_buf = torch.empty(rows, w.shape[0], dtype=mm_dtype, device=h.device)  # reused: see _FusedLMLoss
+        logp_buf = torch.empty(rows, w.shape[0], dtype=torch.float32, device=h.device)
+        for start in range(0, h2.shape[0], slice_tokens):
+            ys = y[start:start + slice_tokens]
+            logits = torch.mm(h2[start:start + slice_tokens], w.t(), out=logits_buf[:len(ys)])
+            logp = torch.ops.aten.log_softmax.int_out(logits, -1, torch.float32, out=logp_buf[:len(ys)])
+            valid = ys != IGNORE_INDEX                                    # no target: 0, as cross_entropy
+            nll = -logp.gather(1, torch.where(valid, ys, 0)[:, None]).squeeze(1)
+            out[start:start + slice_tokens] = torch.where(valid, nll, 0.0)
+        return out.view(targets.shape)

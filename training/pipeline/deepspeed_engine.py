@@ -1,0 +1,344 @@
+"""The DeepSpeed adapter: the one module of training/ that imports `deepspeed`.
+
+The models (training/models/gpt2.py, retro.py, layers.py), the partition search (partition.py) and the
+training loop (engine.py) are plain torch; launch/train.py builds a `Pipeline` here and hands it to
+the loop, which trains through its methods (train_batch, eval_batch, save, load, ...) without
+knowing DeepSpeed. What lives here:
+
+- The layer list as a `PipelineModule`: each `LayerDesc` becomes a `LayerSpec`, the token
+  embedding's uses a `TiedLayerSpec("embed", ...)`. DeepSpeed saves a tied module only through its
+  use *without* forward_fn, so the first use gets a subclass whose own forward is that use (same
+  parameter names); later uses pass their forward_fn.
+- Layers are built under a per-layer seed (training/models/layers.py `seeded`), so a stage builds exactly
+  the weights the same layer has in a 1-stage run or in `build_model(cfg, layer_seed=...)`.
+- Stages are cut at the boundaries training/pipeline/partition.py computes; the layers either side of a
+  cut send RETRO's (h, ids, z) as one float tensor (training/pipeline/stage_boundary.py says why).
+- Warm starts into a stage's layers; checkpoints; the full model gathered from the stages; the
+  tied-embedding check; DeepSpeed's logs. (The JSON DeepSpeed is given is plain dicts, generated
+  and checked in training/pipeline/deepspeed_config.py.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import logging
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():  # skip DeepSpeed's accelerator probing (and its warning)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import deepspeed  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec  # noqa: E402
+
+from retropipe.data.errors import TrainingError  # noqa: E402
+from retropipe.training.models.build import layer_list  # noqa: E402
+from retropipe.training.models.config import ModelConfig  # noqa: E402
+from retropipe.training.models.gpt2 import fused_loss_fn, loss_fn  # noqa: E402
+from retropipe.training.models.io import load_pretrained  # noqa: E402
+from retropipe.training.models.layers import LayerDesc, seeded  # noqa: E402
+from retropipe.training.models.retro import freeze_trunk, is_retrieval_parameter  # noqa: E402
+from retropipe.training.pipeline.deepspeed_config import deepspeed_config  # noqa: E402
+from retropipe.training.pipeline.param_groups import parameter_groups, restore_group_settings  # noqa: E402
+from retropipe.training.pipeline.partition import partition  # noqa: E402
+from retropipe.training.pipeline.stage_boundary import at_boundary, class_at_boundary, unpack_boundary  # noqa: E402
+from retropipe.training.run.config import TrainConfig  # noqa: E402
+
+# DeepSpeed JIT-compiles a shared-memory allreduce for CPU on first use (~90 s); gloo does the
+# same job without a C++ build, so never build it.
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+class _SeededSpec:
+    """Build a layer under its own seed: the weights do not depend on which stage builds them."""
+
+    def build(self, log=False):
+        with seeded(self.seed):
+            return super().build(log=log)
+
+
+class SeededLayerSpec(_SeededSpec, LayerSpec):
+    def __init__(self, seed, typename, *args, **kwargs):
+        super().__init__(typename, *args, **kwargs)
+        self.seed = seed
+
+
+class SeededTiedLayerSpec(_SeededSpec, TiedLayerSpec):
+    def __init__(self, seed, key, typename, *args, **kwargs):
+        super().__init__(key, typename, *args, **kwargs)
+        self.seed = seed
+
+
+class _AsBase:
+    """`module` seen as its base class: calling it runs the base forward (no recursion)."""
+
+    def __init__(self, module, cls):
+        self._module, self._cls = module, cls
+
+    def __call__(self, *args):
+        return self._cls.forward(self._module, *args)
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+def _first_use(cls: type, forward_fn) -> type:
+    """`cls` whose forward is `forward_fn(module, x)`: DeepSpeed checkpoints it as a module."""
+    return type(cls.__name__, (cls,), {"forward": lambda self, x: forward_fn(_AsBase(self, cls), x)})
+
+
+class RetroPipeModule(PipelineModule):
+    """PipelineModule cut at explicit boundaries (DeepSpeed only offers named methods)."""
+
+    def __init__(self, layers, parts: list[int], **kwargs):
+        self._parts = parts
+        super().__init__(layers, **kwargs)
+
+    def _partition_layers(self, method="uniform"):
+        self.parts = list(self._parts)
+        stage = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+
+def _no_leaf_outputs(forward_fn):
+    """forward_fn whose outputs are never a parameter itself, but a view of it.
+
+    The fused head hands the tied embedding matrix to the loss (`head_inputs`: (h, W)). DeepSpeed
+    hooks a stage's outputs for its backward bookkeeping, and under its bf16 optimizer the gradient
+    that the loss gives a parameter handed on as an output is dropped on the last stage: the head's
+    whole contribution to the tied embedding. A view of the parameter carries the same gradient to
+    it without being the parameter (tests/test_training.py, bf16 on two stages).
+    """
+    def fn(module, x):
+        out = forward_fn(module, x)
+        if isinstance(out, tuple):
+            return tuple(t.view_as(t) if isinstance(t, torch.nn.Parameter) else t for t in out)
+        return out.view_as(out) if isinstance(out, torch.nn.Parameter) else out
+    return fn
+
+
+def layer_specs(descs: list[LayerDesc], seed: int, parts: list[int] | None = None,
+                model: ModelConfig | None = None) -> list:
+    """DeepSpeed layer specs; with parts (stage bounds) and model, the layers either side of each
+    cut pack and unpack RETRO's tuple (pack_boundary)."""
+    if parts and model is None:
+        raise ValueError("layer_specs: a cut (parts) needs the model config to unpack RETRO's tuple")
+    starts = set(parts[1:-1]) if parts else set()
+    unpack = functools.partial(unpack_boundary, n_embd=model.n_embd, chunk_len=model.chunk_len) if parts else None
+    specs, tied = [], set()
+    for i, d in enumerate(descs):
+        forward_fn = _no_leaf_outputs(d.forward_fn) if d.forward_fn else None
+        cls = d.cls
+        cut_after, cut_before = i + 1 in starts, i in starts
+        if cut_after or cut_before:
+            if forward_fn:
+                forward_fn = at_boundary(forward_fn, cut_after, cut_before and unpack)
+            else:
+                cls = class_at_boundary(cls, cut_after, cut_before and unpack)
+        if d.tie_key is None:
+            specs.append(SeededLayerSpec(seed + i, cls, **d.kwargs))
+        elif d.tie_key not in tied:
+            tied.add(d.tie_key)
+            first = _first_use(cls, forward_fn) if forward_fn else cls
+            specs.append(SeededTiedLayerSpec(seed + i, d.tie_key, first, **d.kwargs))
+        else:
+            specs.append(SeededTiedLayerSpec(seed + i, d.tie_key, cls, forward_fn=forward_fn, **d.kwargs))
+    return specs
+
+
+def build_pipeline(model: ModelConfig, train: TrainConfig) -> tuple[RetroPipeModule, list[LayerDesc], list[int]]:
+    descs = layer_list(model, fused_head=train.fused_head)
+    parts = partition(descs, train.pipeline_stages, train.partition, frozen_trunk=model.freeze_trunk)
+    module = RetroPipeModule(layer_specs(descs, train.seed, parts, model), parts=parts, num_stages=train.pipeline_stages,
+                             loss_fn=fused_loss_fn if train.fused_head else loss_fn,
+                             activation_checkpoint_interval=train.activation_checkpoint_interval,
+                             checkpointable_layers=["Block", "RetroBlock"])
+    return module, descs, parts
+
+
+def verbose() -> bool:
+    """DeepSpeed's own logs in full (launch/ --verbose sets RETROPIPE_VERBOSE=1 for every rank)."""
+    return os.environ.get("RETROPIPE_VERBOSE") == "1"
+
+
+def quiet_logs() -> None:
+    """Unless verbose: DeepSpeed's logger at WARNING, without two warnings every rank repeats that
+    say nothing about the run (the scheduler read before its first step, at construction; an
+    autograd note on the broadcast of tied weights)."""
+    from deepspeed.utils import logger
+
+    logger.setLevel(logging.INFO if verbose() else logging.WARNING)
+    if not verbose():
+        logger.addFilter(lambda record: "before it has started" not in record.getMessage())
+        warnings.filterwarnings("ignore", message="c10d::broadcast_: an autograd kernel was not registered")
+
+
+def _quiet_prints():
+    """DeepSpeed prints its pipeline topology and layer seeding on building a module: swallowed
+    unless verbose (its logger keeps its own stream, so warnings still show)."""
+    return contextlib.nullcontext() if verbose() else contextlib.redirect_stdout(io.StringIO())
+
+
+def init_distributed() -> None:
+    """The process group: gloo on CPU, NCCL on GPUs (ranks from the launcher's environment)."""
+    quiet_logs()
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+
+
+def shutdown() -> None:
+    """Take the process group down before the interpreter exits: left to interpreter teardown,
+    gloo's threads occasionally aborted a finished rank ('terminate called without an active
+    exception', exit code -6). launch/train.py then leaves without that teardown (`exit_now`)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _frozen_tied_weights_have_no_gradient(module: RetroPipeModule) -> None:
+    """Every step the pipeline engine all-reduces each tied weight's gradient between the stages
+    that hold it; under bf16 it reads the fp32 gradient `_hp_grad` that DeepSpeed's bf16 optimizer
+    attaches to the parameters it trains. A frozen tied weight (the token embedding of a RETRO-fit)
+    is not trained, so it has none: it is given None, which the engine skips, as it skips a None
+    `.grad` in fp32."""
+    for weight, _ in module.get_tied_weights_and_groups():
+        if not weight.requires_grad and not hasattr(weight, "_hp_grad"):
+            weight._hp_grad = None
+
+
+class Pipeline:
+    """This rank's stage of the DeepSpeed pipeline engine, seen through what the loop needs.
+
+    warm_start: copy train.init_from's weights in (False when a checkpoint is loaded next anyway).
+    """
+
+    def __init__(self, model: ModelConfig, train: TrainConfig, warm_start: bool = True):
+        self.train = train
+        with _quiet_prints():
+            module, self.descs, self.parts = build_pipeline(model, train)
+        if train.init_from and warm_start:
+            self._warm_start(module, train.init_from)
+        if model.freeze_trunk:
+            freeze_trunk(module)
+        # The same two AdamW groups on every stage (training/pipeline/param_groups.py says why).
+        groups = parameter_groups(module, train.weight_decay)
+        with _quiet_prints():
+            self.engine, *_ = deepspeed.initialize(model=module, model_parameters=groups,
+                                                   config=deepspeed_config(train))
+        _frozen_tied_weights_have_no_gradient(module)
+        grid = self.engine.grid
+        self.dp_rank, self.dp_world = grid.get_data_parallel_rank(), grid.get_data_parallel_world_size()
+        self.stage = grid.get_pipe_parallel_rank()
+        self.first, self.last = self.engine.is_first_stage(), self.engine.is_last_stage()
+
+    def _warm_start(self, module: RetroPipeModule, source_dir: str) -> None:
+        """Copy a GPT-2 checkpoint (ours or Hugging Face) into this stage's layers.
+
+        With model.freeze_trunk (RETRO-fit, paper §4.2) only CCA and encoder train afterwards.
+        """
+        source = load_pretrained(source_dir).state_dict()
+        layers = [(self.descs[module._local_start + j].name, layer) for j, layer in enumerate(module.forward_funcs)
+                  if isinstance(layer, torch.nn.Module)]
+        # Tied modules too: a stage that holds only a later use of the embedding (the output head
+        # on the last stage) sees it as a function in forward_funcs, not as a module.
+        tie_names = {d.tie_key: d.name for d in self.descs if d.tie_key}
+        layers += [(tie_names[key], tied) for key, tied in module.tied_modules.items()]
+        for name, layer in layers:
+            own = {k[len(name) + 1:]: v for k, v in source.items() if k.startswith(name + ".")}
+            missing, unexpected = layer.load_state_dict(own, strict=False)
+            trunk_missing = [m for m in missing if not is_retrieval_parameter(m)]
+            if trunk_missing or unexpected:
+                raise TrainingError(f"train.init_from={source_dir}: layer {name} does not match "
+                                    f"(missing {trunk_missing}, unexpected {unexpected})")
+        # DeepSpeed broadcast the tied weights when it built the module, before this copy: do it again.
+        module._synchronize_tied_weights()
+
+    # -- one optimizer step, one validation pass --
+    def train_batch(self, batches) -> float:
+        """One optimizer step over train.micro_batches micro-batches (an iterator of (inputs,
+        labels) on the first and last stage, None elsewhere); the mean loss, on every rank."""
+        return float(self.engine.train_batch(data_iter=batches))
+
+    def eval_batch(self, batches, num_micro_batches: int) -> float:
+        return float(self.engine.eval_batch(batches, num_micro_batches=num_micro_batches))
+
+    def lr(self) -> float:
+        return self.engine.get_lr()[0]
+
+    def grad_norm(self) -> float | None:
+        norm = self.engine.get_global_grad_norm()
+        return None if norm is None else float(norm)
+
+    # -- checkpoints: DeepSpeed's per-layer weights and per-rank optimizer partitions --
+    def save(self, ckpt_dir: Path, tag: str, step: int) -> None:
+        self.engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": step}, save_latest=False)
+
+    def load(self, ckpt_dir: Path, tag: str) -> None:
+        """Weights, optimizer state and the schedule's position from a checkpoint (this run's or,
+        for a branch, another's); the hyperparameters stay this run's config."""
+        sched = self.engine.lr_scheduler
+        # What the scheduler saves besides its position (nothing, for DeepSpeed's WarmupCosineLR;
+        # other types may save their totals): keep this config's values, so a longer run decays
+        # to its own train.steps.
+        ours = {k: v for k, v in sched.state_dict().items()
+                if k not in ("last_batch_iteration", "last_epoch", "_step_count")} if sched else {}
+        load_path, _ = self.engine.load_checkpoint(str(ckpt_dir), tag=tag)
+        if load_path is None:
+            raise TrainingError(f"checkpoint {Path(ckpt_dir) / tag} could not be loaded")
+        # The optimizer state brings the saved groups' settings: this config's decay, betas and
+        # fused step win (DeepSpeed's ZeRO and bf16 optimizers wrap torch's as .optimizer).
+        params = deepspeed_config(self.train).get("optimizer", {}).get("params", {})
+        inner = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
+        restore_group_settings(inner, self.train.weight_decay, (self.train.beta1, self.train.beta2),
+                               params.get("fused") if params.get("torch_adam") else None)
+        if sched is not None:
+            for key, value in ours.items():
+                setattr(sched, key, value)
+            if hasattr(sched, "last_batch_iteration"):  # DeepSpeed's schedules: the lr of the next
+                sched.step(sched.last_batch_iteration)  # step under this schedule, not the saved one
+
+    # -- the model --
+    def tied_weights_max_diff(self) -> float:
+        """Largest |Δ| between the copies of the tied embedding held by the stages (0.0 = in sync)."""
+        tied = getattr(self.engine.module, "tied_modules", {})
+        mine = tied["embed"].weight.detach().float().cpu() if "embed" in tied else None
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        copies = [g for g in gathered if g is not None]
+        return max(float((c - copies[0]).abs().max()) for c in copies)
+
+    def gather_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The full model's fp32 weights (from the optimizer's master copy) on global rank 0.
+
+        Names are the monolithic model's (`LayerDesc.name` + parameter name), so the result loads
+        into GPT2 / Retro and is saved with training.save_model.
+        """
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        module = self.engine.module
+        local = {}
+        for j, layer in enumerate(module.forward_funcs):
+            if not isinstance(layer, torch.nn.Module):
+                continue  # a tied layer's second use: its weights are saved with the first
+            name = self.descs[module._local_start + j].name
+            for pname, p in layer.named_parameters():
+                # Every data-parallel rank takes part: under ZeRO-1 / the bf16 optimizer this
+                # all-reduces the master copy's shards across the data-parallel group.
+                full = safe_get_full_fp32_param(p)
+                if self.dp_rank == 0:  # one copy per stage is enough
+                    local[f"{name}.{pname}"] = (full if full is not None else p).detach().float().cpu()
+            if self.dp_rank == 0:
+                for bname, b in layer.named_buffers():
+                    local[f"{name}.{bname}"] = b.detach().cpu()
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local)
+        if dist.get_rank() != 0:
+            return None
+        merged = {}
+        for part in gathered:
+            merged.update(part)
+        return merged

@@ -1,0 +1,99 @@
+"""The `train` config section: how a training run goes (steps, optimizer, pipeline, precision, checkpoints)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from retropipe.data.config import require
+
+
+@dataclass
+class TrainConfig:
+    # Keys that change how a run is watched and kept, not what it computes: a rerun with other
+    # values resumes the same run (training/run/run_dir.py; data/stage.py output_settings).
+    RUNTIME_KEYS: ClassVar[tuple[str, ...]] = ("name", "eval_every", "eval_batches", "checkpoint_every",
+                                               "keep_checkpoints")
+
+    # Run name: the directory <workdir>/runs/<name>; "" = model.kind ("gpt2" or "retro").
+    name: str = ""
+    # Tokens per training sequence: a run of seq_len / data.chunk_len consecutive chunks.
+    seq_len: int = 256
+    # Sequences per micro-batch per data-parallel rank, and micro-batches per optimizer step
+    # (gradient accumulation; the pipeline's schedule needs several to fill its stages).
+    micro_batch_size: int = 4
+    micro_batches: int = 4
+    # Pipeline stages; the data-parallel degree is world size / pipeline_stages.
+    pipeline_stages: int = 2
+    # How layers are cut into stages: "cost" (estimated FLOPs; RETRO layers weigh more),
+    # "uniform" (layer count) or "parameters".
+    partition: str = "cost"
+    # Optimizer steps; AdamW with linear warmup then cosine decay to min_lr. weight_decay applies
+    # to matrices (>= 2 dims) only, not to biases and LayerNorm weights (training/pipeline/param_groups.py).
+    steps: int = 200
+    lr: float = 1.0e-3
+    min_lr: float = 1.0e-4
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    # "bf16", "fp16" (GPU only), "fp32", or "auto": bf16 where the hardware has bf16 matmuls
+    # (GPUs that support it, CPUs with AVX512-BF16/AMX), else fp16 on older GPUs and fp32 on other CPUs
+    # (CPU bf16 emulation is several times slower).
+    precision: str = "auto"
+    # CPU threads per process (training/run/hardware.py): "shared" = every process may use all cores
+    # (a waiting pipeline stage lends its cores to the busy one), "split" = cores / processes each.
+    # OMP_NUM_THREADS, when set, wins.
+    cpu_threads: str = "shared"
+    # Recompute activations every N layers in backward (0 = off): trades compute for memory.
+    activation_checkpoint_interval: int = 0
+    # The output head and cross-entropy fused, over slices of tokens (training/models/lm_head.py): the
+    # logits of a whole micro-batch are never held at once. false = the plain path (all logits).
+    fused_head: bool = True
+    # Checkpoint every N steps and at the end; keep the newest K.
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 2
+    # Validation loss every N steps (0 = only at the end) over at most eval_batches micro-batches.
+    eval_every: int = 50
+    eval_batches: int = 8
+    # Neighbours per chunk fed to RETRO during training (<= retrieval.k).
+    neighbours: int = 2
+    # Share of training chunks whose first neighbour is the chunk itself and its continuation
+    # (RETRO only; never at evaluation): lessons in copying for text that offers few near-
+    # duplicates, so the CCA learns to read a neighbour that holds the text (docs/results.md).
+    self_neighbours: float = 0.0
+    # Start from this GPT-2 checkpoint (ours or a Hugging Face directory); with
+    # model.freeze_trunk it is a RETRO-fit: only chunked cross-attention and encoder train.
+    init_from: str = ""
+    # Start this run from another run's checkpoint: its run directory (newest checkpoint) or one
+    # of its checkpoints/stepNNNNNN directories. Weights, optimizer state, step and RNG carry
+    # over; the model, pipeline cut and process count must match (training/run/start.py).
+    branch_from: str = ""
+    seed: int = 1234
+    # Deep-merged over the DeepSpeed JSON generated from this section (training/pipeline/deepspeed_engine.py
+    # deepspeed_config, saved as <run>/deepspeed_config.json), e.g.
+    # {zero_optimization: {reduce_bucket_size: 50000000}}. Keys a train.* key sets are refused
+    # (the error names the train.* key), as is ZeRO stage 2 or 3 (the pipeline engine's limit).
+    deepspeed: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        require(self.seq_len >= 1, "train.seq_len", "must be >= 1")
+        for key in ("micro_batch_size", "micro_batches", "pipeline_stages", "steps", "keep_checkpoints",
+                    "checkpoint_every", "neighbours"):
+            require(getattr(self, key) >= 1, f"train.{key}", f"must be >= 1, got {getattr(self, key)}")
+        require(self.partition in ("cost", "uniform", "parameters"), "train.partition",
+                f"must be 'cost', 'uniform' or 'parameters', got {self.partition!r}")
+        require(self.cpu_threads in ("shared", "split"), "train.cpu_threads",
+                f"must be 'shared' or 'split', got {self.cpu_threads!r}")
+        require(self.precision in ("auto", "bf16", "fp16", "fp32"), "train.precision",
+                f"must be 'auto', 'bf16', 'fp16' or 'fp32', got {self.precision!r}")
+        require(0 < self.lr and 0 <= self.min_lr <= self.lr, "train.min_lr", "need 0 <= min_lr <= lr, lr > 0")
+        require(0.0 <= self.self_neighbours <= 1.0, "train.self_neighbours", f"must lie in [0, 1], got {self.self_neighbours}")
+        require(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
+        require(self.eval_every >= 0 and self.eval_batches >= 1, "train.eval_every", "eval_every >= 0, eval_batches >= 1")
+        require(self.activation_checkpoint_interval >= 0, "train.activation_checkpoint_interval", "must be >= 0")
+        require(not (self.init_from and self.branch_from), "train.branch_from",
+                "set train.init_from (weights only, from step 0) or train.branch_from (a whole training state), not both")
+        require(isinstance(self.deepspeed, dict), "train.deepspeed",
+                f"must be a mapping of DeepSpeed config keys, got {self.deepspeed!r}")
