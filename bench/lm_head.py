@@ -6,7 +6,7 @@ One micro-batch of the demo's shape (4 × 256 tokens, width 128, GPT-2's 50,257-
 forward + backward with respect to h and the tied matrix, fp32. Each variant runs in a fresh
 process (so peak RSS is its own) and variants alternate `--repeat` times so machine noise hits
 both; the best time and the peak-RSS growth over the process's baseline are printed, with
-their ratios. The fused path computes the same loss and gradients (tests/test_model.py).
+their ratios. The fused path computes the same loss and gradients (tests/training/test_model.py).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@
 Same model, same seeds, same global batch (micro_batch_size × micro_batches sequences of seq_len
 tokens, random tokens; RETRO gets 2 random neighbours of 2 · chunk_len tokens per chunk):
 
-- single: `build_sequential_seeded` + AdamW with gradient accumulation, one process using
+- single: `build_model(cfg, layer_seed=seed)` + AdamW with gradient accumulation, one process using
   every core (bf16 via autocast);
 - pipeline: `build_pipeline` + `deepspeed.initialize`, `--stages` stages on as many processes
   over gloo, exactly what launch/train.py runs, minus data loading. `--threads` lists the

@@ -137,6 +137,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"demo: error: --nproc {args.nproc} is not a multiple of train.pipeline_stages "
               f"({cfg.train.pipeline_stages})", file=sys.stderr)
         return 2
+    import torch
+
+    from retropipe.training.run.hardware import too_few_gpus
+
+    crowded = too_few_gpus(args.nproc, torch.cuda.device_count()) if torch.cuda.is_available() else None
+    if crowded:  # before any stage: training would refuse it only after the database is built
+        print(f"demo: error: --nproc {args.nproc}: {crowded}", file=sys.stderr)
+        return 2
     workdir = Path(cfg.workdir).resolve()
     # The user's --set win over the demo's; the stages agree on one absolute workdir.
     overrides = [*demo_overrides(workdir), *args.overrides, f"workdir={workdir}"]

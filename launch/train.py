@@ -29,6 +29,11 @@ from retropipe.training.run.run_dir import claim_run_dir
 from retropipe.training.run.start import plan_start
 
 
+# Seconds the ranks of all nodes have to meet at the start (at least train.dist_timeout): a
+# scheduler may start one node minutes after another.
+JOIN_TIMEOUT = 600.0
+
+
 def run_dir_of(cfg) -> Path:
     return cfg.runs_dir / (cfg.train.name or cfg.model.kind)
 
@@ -48,6 +53,7 @@ def preflight(cfg, world_size: int):
     exists; returns the chunk store, the neighbours (RETRO) and the pipeline cut."""
     from retropipe.data.store import ChunkStore
     from retropipe.training.models.build import layer_list
+    from retropipe.training.run.hardware import gpu_has_bf16, local_gpu, local_processes, too_few_gpus
 
     t = as_run(cfg).train
     if world_size % t.pipeline_stages:
@@ -65,10 +71,15 @@ def preflight(cfg, world_size: int):
     from retropipe.training.pipeline.deepspeed_config import deepspeed_config
     deepspeed_config(t)  # train.deepspeed: the pipeline engine's limits, no contradiction with train.*
     cuda = torch.cuda.is_available()
+    if cuda:
+        crowded = too_few_gpus(local_processes(os.environ, world_size), torch.cuda.device_count())
+        if crowded:
+            raise TrainingError(crowded)
     if t.precision == "fp16" and not cuda:
         raise ConfigError("train.precision", "fp16 needs a GPU; this machine has none (use bf16 or fp32)")
-    if t.precision == "bf16" and cuda and not torch.cuda.is_bf16_supported():
-        raise ConfigError("train.precision", "this GPU does not support bf16 (use fp16 or fp32)")
+    if t.precision == "bf16" and cuda and not gpu_has_bf16(torch.cuda.get_device_capability(local_gpu())):
+        raise ConfigError("train.precision", "this GPU has no bf16 matmuls (compute capability below 8.0; "
+                          "use fp16 or fp32)")
     store = ChunkStore(cfg.data_dir)
     if store.chunk_len != cfg.data.chunk_len:
         raise ConfigError("data.chunk_len", f"{cfg.data.chunk_len}, but the chunk store {cfg.data_dir} "
@@ -113,20 +124,35 @@ def main(argv: list[str] | None = None) -> int:
         (run_dir / "summary.json").unlink(missing_ok=True)
 
     if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
-        from retropipe.training.run.hardware import cpu_threads
+        from retropipe.training.run.hardware import cpu_threads, local_processes
 
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        local = local_processes(os.environ, world)
         torch.set_num_threads(cpu_threads(cfg.train.cpu_threads, local, cfg.train.pipeline_stages))
     from retropipe.training.pipeline.deepspeed_config import deepspeed_config
     from retropipe.training.pipeline.deepspeed_engine import init_distributed, shutdown
+    from retropipe.training.run.cluster import Watchdog, check_shared_run_dir
 
     if rank == 0:  # exactly what DeepSpeed is given, for the record
         write_json(run_dir / "deepspeed_config.json", deepspeed_config(cfg.train))
 
-    init_distributed()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    timeout = cfg.train.resolved_dist_timeout(device)
+    init_distributed(max(timeout, JOIN_TIMEOUT))
+    watchdog = Watchdog(rank, world, timeout).start() if world > 1 else None
     try:
+        check_shared_run_dir(run_dir, device)
         return train(cfg, store, neighbours, run_dir, start, rank, progress=not args.no_progress)
+    except TrainingError as e:
+        if rank == 0:
+            print(f"train: error: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError:  # a collective failed: a peer's socket reset, or the collective timed out
+        if watchdog:
+            watchdog.end("it dropped out of a collective and stopped beating")  # exits if a peer is lost
+        raise
     finally:
+        if watchdog:
+            watchdog.stop()
         shutdown()
 
 
@@ -154,7 +180,7 @@ def train(cfg, store, neighbours, run_dir: Path, start, rank: int, progress: boo
             print(f"  stage {s}: {', '.join(names)}")
     result = trainer.fit()
     try:
-        check_tied_weights(pipe, "at the end of training")
+        drift = check_tied_weights(pipe, "at the end of training", trainer.dtype)
     except TrainingError as e:
         if rank == 0:
             print(f"train: error: {e}; the run is not marked complete", file=sys.stderr)
@@ -170,7 +196,7 @@ def train(cfg, store, neighbours, run_dir: Path, start, rank: int, progress: boo
         summary = {"complete": True, "steps": cfg.train.steps, "resumed_from": result["start_step"],
                    "branched_from": str(start.ckpt_dir / start.tag) if start.kind == "branch" else None,
                    "final_loss": result["losses"].get(cfg.train.steps), "val_loss": result["val_loss"],
-                   "tied_embedding_max_diff": 0.0, "partition": pipe.parts,
+                   "tied_embedding_max_diff": drift, "partition": pipe.parts,
                    "peak_memory_mb": result["peak_memory_mb"], "model_dir": str(run_dir / "model")}
         write_json(run_dir / "summary.json", summary)
         final = summary["final_loss"]  # None when a rerun found the last step already trained

@@ -149,7 +149,7 @@ def embed_store(store: ChunkStore, out_dir: Path, embedder: str, batch_size: int
     for key, count in pending.items():  # shards without chunks (a block with no validation document)
         if count == 0:
             parts.pop(key)
-    spec = EmbedSpec(str(Path(store.root).resolve()), str(model_path), store.manifest["tokenizer"],
+    spec = EmbedSpec(str(Path(store.root).resolve()), str(Path(model_path).resolve()), store.manifest["tokenizer"],
                      hub_name=hub_name(embedder))
     embedded = 0
     for job, vectors in runner(spec, jobs):

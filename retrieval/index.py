@@ -208,7 +208,8 @@ def _add_shards(vectors, out_dir: Path, trained: Path, kind: str, executor: Exec
     shards_dir.mkdir(exist_ok=True)
     sources = vectors.shard_files()
     shard_paths = [shards_dir / f"shard-{i:05d}.faissindex" for i in range(len(sources))]
-    jobs = [(str(trained), str(path), first, str(shard_paths[i]))
+    # Absolute paths: a task may run on another node, or in another working directory.
+    jobs = [(str(trained.resolve()), str(Path(path).resolve()), first, str(shard_paths[i].resolve()))
             for i, (first, path, _) in enumerate(sources) if not shard_paths[i].exists()]
     for _ in executor(add_shard, jobs, workers):
         pass

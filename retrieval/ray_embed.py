@@ -125,7 +125,7 @@ class RayEmbedRunner:
         rows = [{"split": SPLITS.index(j.split), "shard": j.shard, "start": j.start, "stop": j.stop} for j in jobs]
         ds = ray.data.from_items(rows, override_num_blocks=max(1, min(len(rows), 4 * self.actors * 8)))
         # A dead actor fails this execution; __call__ retries what was not delivered
-        # (tests/test_retrieval.py kills an actor to check).
+        # (tests/retrieval/test_retrieval_ray.py kills an actor to check).
         ds = ds.map_batches(self.udf, fn_constructor_kwargs={"spec": spec, "device": device, "threads": threads},
                             batch_size=1, compute=ray.data.ActorPoolStrategy(size=self.pool_size(ray, device)),
                             batch_format="numpy", **resources)

@@ -1,5 +1,5 @@
 """Where a run starts (training/run/start.py): resume, extend, branch, warm start, complete. In-process:
-run directories are written by hand here; tests/test_training.py runs them for real."""
+run directories are written by hand here; tests/launch/test_training.py runs them for real."""
 
 import json
 

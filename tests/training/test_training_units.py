@@ -71,7 +71,7 @@ def test_seeded_layers_do_not_depend_on_what_else_is_built():
             assert torch.equal(p, model.state_dict()[f"{descs[i].name}.{pname}"]), (descs[i].name, pname)
     other = build_model(cfg, layer_seed=6).state_dict()
     assert not torch.equal(other["wpe.weight"], model.state_dict()["wpe.weight"])
-    # build_sequential (unseeded) runs the same list: same names, same outputs for the same weights.
+    # build_model without a layer seed runs the same list: same names, same outputs for the same weights.
     plain = build_model(cfg)
     plain.load_state_dict(model.state_dict())
     tokens = torch.randint(0, 100, (1, 64))
@@ -165,28 +165,6 @@ def test_the_config_reaches_tensorboard_as_hyperparameters(tmp_path):
     assert hparams["train.fused_head"] == 1 and hparams["model.retro_layers"] == "[2, 4]"  # bools as numbers
     assert yaml.safe_load("\n".join(line[4:] for line in text.splitlines())) == cfg
     assert scalars == {"loss": [(2, 7.5)]}
-
-
-def test_precision_auto_takes_bf16_only_where_the_kernels_may_use_it(monkeypatch):
-    import retropipe.training.run.hardware as hw
-
-    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
-    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
-    monkeypatch.setattr(hw, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f", "avx512_bf16"}))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert hw.resolve_precision("auto") == "bf16"
-    # oneDNN (torch's CPU matmuls) held to AVX2 on the same CPU emulates bf16 (15-35× slower): fp32.
-    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
-    assert hw.resolve_precision("auto") == "fp32"
-    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
-    assert hw.resolve_precision("auto") == "bf16"
-    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
-    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")  # ATen's elementwise kernels only: matmuls keep bf16
-    assert hw.resolve_precision("auto") == "bf16"
-    assert "ATEN_CPU_CAPABILITY=avx2" in hw.describe()
-    monkeypatch.delenv("ATEN_CPU_CAPABILITY")
-    monkeypatch.setattr(hw, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
-    assert hw.resolve_precision("auto") == "fp32" and hw.resolve_precision("bf16") == "bf16"
 
 
 def _stage(specs):

@@ -1,9 +1,9 @@
 """The DeepSpeed adapter: the one module of training/ that imports `deepspeed`.
 
-The models (training/models/gpt2.py, retro.py, layers.py), the partition search (partition.py) and the
-training loop (engine.py) are plain torch; launch/train.py builds a `Pipeline` here and hands it to
-the loop, which trains through its methods (train_batch, eval_batch, save, load, ...) without
-knowing DeepSpeed. What lives here:
+The models (training/models/), the partition search (training/pipeline/partition.py) and the
+training loop (training/run/trainer.py) are plain torch; launch/train.py builds a `Pipeline` here
+and hands it to the loop, which trains through its methods (train_batch, eval_batch, save, load,
+...) without knowing DeepSpeed. What lives here:
 
 - The layer list as a `PipelineModule`: each `LayerDesc` becomes a `LayerSpec`, the token
   embedding's uses a `TiedLayerSpec("embed", ...)`. DeepSpeed saves a tied module only through its
@@ -13,14 +13,15 @@ knowing DeepSpeed. What lives here:
   the weights the same layer has in a 1-stage run or in `build_model(cfg, layer_seed=...)`.
 - Stages are cut at the boundaries training/pipeline/partition.py computes; the layers either side of a
   cut send RETRO's (h, ids, z) as one float tensor (training/pipeline/stage_boundary.py says why).
-- Warm starts into a stage's layers; checkpoints; the full model gathered from the stages; the
-  tied-embedding check; DeepSpeed's logs. (The JSON DeepSpeed is given is plain dicts, generated
+- Warm starts into a stage's layers; checkpoints; the full model gathered from the stages onto
+  rank 0; the tied embedding's copies compared on the device; DeepSpeed's logs. (The JSON DeepSpeed is given is plain dicts, generated
   and checked in training/pipeline/deepspeed_config.py.)
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
 import io
 import logging
@@ -48,6 +49,7 @@ from retropipe.training.pipeline.deepspeed_config import deepspeed_config  # noq
 from retropipe.training.pipeline.param_groups import parameter_groups, restore_group_settings  # noqa: E402
 from retropipe.training.pipeline.partition import partition  # noqa: E402
 from retropipe.training.pipeline.stage_boundary import at_boundary, class_at_boundary, unpack_boundary  # noqa: E402
+from retropipe.training.run.cluster import set_collective_timeout  # noqa: E402
 from retropipe.training.run.config import TrainConfig  # noqa: E402
 
 # DeepSpeed JIT-compiles a shared-memory allreduce for CPU on first use (~90 s); gloo does the
@@ -113,7 +115,7 @@ def _no_leaf_outputs(forward_fn):
     hooks a stage's outputs for its backward bookkeeping, and under its bf16 optimizer the gradient
     that the loss gives a parameter handed on as an output is dropped on the last stage: the head's
     whole contribution to the tied embedding. A view of the parameter carries the same gradient to
-    it without being the parameter (tests/test_training.py, bf16 on two stages).
+    it without being the parameter (tests/launch/test_training.py, bf16 on two stages).
     """
     def fn(module, x):
         out = forward_fn(module, x)
@@ -168,15 +170,16 @@ def verbose() -> bool:
 
 
 def quiet_logs() -> None:
-    """Unless verbose: DeepSpeed's logger at WARNING, without two warnings every rank repeats that
-    say nothing about the run (the scheduler read before its first step, at construction; an
-    autograd note on the broadcast of tied weights)."""
+    """Unless verbose: DeepSpeed's logger at WARNING, without warnings every rank repeats that say
+    nothing about the run (the scheduler read before its first step, at construction; an autograd
+    note on the broadcast of tied weights; torch's deprecation of a collective ZeRO-1 calls)."""
     from deepspeed.utils import logger
 
     logger.setLevel(logging.INFO if verbose() else logging.WARNING)
     if not verbose():
         logger.addFilter(lambda record: "before it has started" not in record.getMessage())
         warnings.filterwarnings("ignore", message="c10d::broadcast_: an autograd kernel was not registered")
+        warnings.filterwarnings("ignore", message=".*all_gather_into_tensor` is deprecated")
 
 
 def _quiet_prints():
@@ -185,10 +188,16 @@ def _quiet_prints():
     return contextlib.nullcontext() if verbose() else contextlib.redirect_stdout(io.StringIO())
 
 
-def init_distributed() -> None:
-    """The process group: gloo on CPU, NCCL on GPUs (ranks from the launcher's environment)."""
+def init_distributed(join_timeout: float) -> None:
+    """The process group: gloo on CPU, NCCL on GPUs (ranks from the launcher's environment). The
+    ranks of every node have `join_timeout` seconds to meet (nodes start when their scheduler
+    starts them); collectives get train.dist_timeout once DeepSpeed made its groups (Pipeline)."""
     quiet_logs()
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    if torch.cuda.is_available():  # this rank's own GPU before any collective (NCCL uses the current one)
+        from retropipe.training.run.hardware import local_gpu
+        torch.cuda.set_device(local_gpu())
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
+                               timeout=datetime.timedelta(seconds=join_timeout))
 
 
 def shutdown() -> None:
@@ -230,6 +239,7 @@ class Pipeline:
             self.engine, *_ = deepspeed.initialize(model=module, model_parameters=groups,
                                                    config=deepspeed_config(train))
         _frozen_tied_weights_have_no_gradient(module)
+        set_collective_timeout(train.resolved_dist_timeout("cuda" if torch.cuda.is_available() else "cpu"))
         grid = self.engine.grid
         self.dp_rank, self.dp_world = grid.get_data_parallel_rank(), grid.get_data_parallel_world_size()
         self.stage = grid.get_pipe_parallel_rank()
@@ -302,17 +312,25 @@ class Pipeline:
                 sched.step(sched.last_batch_iteration)  # step under this schedule, not the saved one
 
     # -- the model --
-    def tied_weights_max_diff(self) -> float:
-        """Largest |Δ| between the copies of the tied embedding held by the stages (0.0 = in sync)."""
-        tied = getattr(self.engine.module, "tied_modules", {})
-        mine = tied["embed"].weight.detach().float().cpu() if "embed" in tied else None
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
-        copies = [g for g in gathered if g is not None]
-        return max(float((c - copies[0]).abs().max()) for c in copies)
+    def tied_weights_drift(self) -> tuple[float, float]:
+        """(largest |Δ| between the stages' copies of the tied embedding, largest |w|): the same on
+        every rank, (0.0, 0.0) without a tie across stages. Reduced on the device within each tie's
+        group (DeepSpeed's tied_comms): no rank ever receives another's copy."""
+        module = self.engine.module
+        found = torch.zeros(2, device=self.engine.device)                     # [max |Δ|, max |w|]
+        for key, comm in getattr(module, "tied_comms", {}).items():
+            for attr in comm["weight_attr"]:
+                w = module._recursive_getattr(module.tied_modules[key], attr).detach().float()
+                hi, lo = w.clone(), w.clone()
+                dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=comm["group"])
+                dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=comm["group"])
+                found = torch.maximum(found, torch.stack([(hi - lo).max(), w.abs().max()]))
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        return float(found[0]), float(found[1])
 
     def gather_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The full model's fp32 weights (from the optimizer's master copy) on global rank 0.
+        """The full model's fp32 weights (from the optimizer's master copy) on global rank 0, None
+        elsewhere. The tied embedding is the first stage's copy.
 
         Names are the monolithic model's (`LayerDesc.name` + parameter name), so the result loads
         into GPT2 / Retro and is saved with training.save_model.
@@ -334,8 +352,12 @@ class Pipeline:
             if self.dp_rank == 0:
                 for bname, b in layer.named_buffers():
                     local[f"{name}.{bname}"] = b.detach().cpu()
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, local)
+        if self.dp_rank != 0:
+            return None
+        # The stages of replica 0 send their weights to global rank 0 (stage 0 of replica 0) alone.
+        grid = self.engine.grid
+        gathered = [None] * grid.get_pipe_parallel_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(local, gathered, dst=0, group=grid.get_pipe_parallel_group())
         if dist.get_rank() != 0:
             return None
         merged = {}

@@ -13,7 +13,11 @@ class TrainConfig:
     # Keys that change how a run is watched and kept, not what it computes: a rerun with other
     # values resumes the same run (training/run/run_dir.py; data/stage.py output_settings).
     RUNTIME_KEYS: ClassVar[tuple[str, ...]] = ("name", "eval_every", "eval_batches", "checkpoint_every",
-                                               "keep_checkpoints")
+                                               "keep_checkpoints", "dist_timeout")
+    # What dist_timeout 0 stands for. GPU: torch's own NCCL default, room for a large model's
+    # checkpoint write on network storage. CPU: the models a CPU trains write a checkpoint in
+    # seconds and send a micro-batch in well under a minute.
+    AUTO_DIST_TIMEOUT: ClassVar[dict[str, float]] = {"cuda": 600.0, "cpu": 300.0}
 
     # Run name: the directory <workdir>/runs/<name>; "" = model.kind ("gpt2" or "retro").
     name: str = ""
@@ -71,6 +75,11 @@ class TrainConfig:
     # over; the model, pipeline cut and process count must match (training/run/start.py).
     branch_from: str = ""
     seed: int = 1234
+    # Seconds a rank may go without a sign of another before the whole job ends (every process
+    # exits non-zero, naming the lost rank: training/run/watchdog.py); also the process group's
+    # collective timeout. Longer than any wait of a healthy run: a checkpoint write, a validation
+    # pass, the slowest stage's micro-batches. 0 = AUTO_DIST_TIMEOUT (GPU 600 s, CPU 300 s).
+    dist_timeout: float = 0.0
     # Deep-merged over the DeepSpeed JSON generated from this section (training/pipeline/deepspeed_engine.py
     # deepspeed_config, saved as <run>/deepspeed_config.json), e.g.
     # {zero_optimization: {reduce_bucket_size: 50000000}}. Keys a train.* key sets are refused
@@ -95,5 +104,11 @@ class TrainConfig:
         require(self.activation_checkpoint_interval >= 0, "train.activation_checkpoint_interval", "must be >= 0")
         require(not (self.init_from and self.branch_from), "train.branch_from",
                 "set train.init_from (weights only, from step 0) or train.branch_from (a whole training state), not both")
+        require(self.dist_timeout == 0 or self.dist_timeout >= 10, "train.dist_timeout",
+                f"must be 0 (auto) or at least 10 seconds, got {self.dist_timeout}")
         require(isinstance(self.deepspeed, dict), "train.deepspeed",
                 f"must be a mapping of DeepSpeed config keys, got {self.deepspeed!r}")
+
+    def resolved_dist_timeout(self, device: str) -> float:
+        """dist_timeout in seconds on this device ("cuda" or "cpu")."""
+        return self.dist_timeout or self.AUTO_DIST_TIMEOUT[device]

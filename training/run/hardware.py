@@ -39,15 +39,49 @@ def cpu_has_bf16() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags()) and not (held & below_bf16)
 
 
+def gpu_has_bf16(capability: tuple[int, int]) -> bool:
+    """bf16 matmuls in hardware: compute capability 8.0 (Ampere) and newer. Older GPUs emulate
+    them (torch.cuda.is_bf16_supported() says True there), far slower than fp16."""
+    return tuple(capability) >= (8, 0)
+
+
+def local_gpu() -> int:
+    """This process's GPU: its LOCAL_RANK (set by the launcher) among the visible ones."""
+    import torch
+
+    return int(os.environ.get("LOCAL_RANK", 0)) % max(torch.cuda.device_count(), 1)
+
+
 def resolve_precision(precision: str) -> str:
-    """The precision "auto" stands for on this machine; others are returned as they are."""
+    """The precision "auto" stands for on this machine; others are returned as they are.
+
+    On GPUs it asks this process's own GPU (LOCAL_RANK) for its compute capability, which touches
+    no other GPU and allocates nothing: every rank resolves it before its device is set."""
     if precision != "auto":
         return precision
     import torch
 
     if torch.cuda.is_available():
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        return "bf16" if gpu_has_bf16(torch.cuda.get_device_capability(local_gpu())) else "fp16"
     return "bf16" if cpu_has_bf16() else "fp32"
+
+
+def local_processes(env: dict, world_size: int) -> int:
+    """Processes on this node: LOCAL_SIZE (DeepSpeed's launcher) or LOCAL_WORLD_SIZE (torchrun);
+    without either, one node holds the whole world."""
+    for key in ("LOCAL_SIZE", "LOCAL_WORLD_SIZE"):
+        if env.get(key):
+            return int(env[key])
+    return world_size
+
+
+def too_few_gpus(local: int, gpus: int) -> str | None:
+    """Why `local` processes cannot run on a node with `gpus` GPUs (each needs one), or None."""
+    if gpus == 0 or local <= gpus:
+        return None
+    return (f"this node starts {local} processes but has {gpus} GPU(s): each process needs its own GPU; "
+            f"start at most {gpus} per node (deepspeed --num_gpus {gpus}, with train.pipeline_stages dividing the "
+            f"world size), or run on the CPU: CUDA_VISIBLE_DEVICES= deepspeed --num_gpus {local} ...")
 
 
 def cpu_model() -> str:
@@ -112,12 +146,22 @@ def thread_environment(policy: str, local_processes: int, stages: int = 1) -> di
             "OMP_WAIT_POLICY": "PASSIVE" if policy == "shared" else "ACTIVE"}
 
 
-def matmul_flops_per_s(dtype=None, device: str = "cpu", size: int = 1024, seconds: float = 0.3) -> float:
-    """This process's dense matmul FLOP/s in dtype (best of repeated size² products): the one peak
-    that every MFU figure (training log, bench/model_step.py) is measured against."""
+def peak_matmul_shape(device: str) -> tuple[int, int]:
+    """(size, products per timing) of the peak measurement. A CPU runs a 1024² product at its peak;
+    a GPU needs 8192² and many products between synchronisations, or a timing measures launch
+    and synchronisation overhead (an H100 does a 1024² product in ~10 µs) and MFU comes out
+    several times too high, above 1."""
+    return (1024, 1) if device == "cpu" else (8192, 10)
+
+
+def matmul_flops_per_s(dtype=None, device: str = "cpu", size: int | None = None, seconds: float = 0.3) -> float:
+    """This process's dense matmul FLOP/s in dtype (the best timing of repeated size² products): the
+    one peak that every MFU figure (training log, bench/model_step.py) is measured against."""
     import torch
 
     dtype = dtype or torch.float32
+    default_size, reps = peak_matmul_shape(device)
+    size = size or default_size
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
     a @ b
@@ -126,8 +170,9 @@ def matmul_flops_per_s(dtype=None, device: str = "cpu", size: int = 1024, second
         if device != "cpu":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        a @ b
+        for _ in range(reps):
+            a @ b
         if device != "cpu":
             torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, (time.perf_counter() - t0) / reps)
     return 2 * size**3 / best
