@@ -20,7 +20,7 @@ from retropipe.data.errors import ClusterError, ConfigError, DataError, Tokenize
 from retropipe.data.store import ChunkStore
 from retropipe.launch.cli import config_from_args, entry_parser, quiet_engines
 from retropipe.launch.config import save_config
-from retropipe.launch.ray_utils import RayExecutor
+from retropipe.launch.ray_utils import RayExecutor, record_work, work_summary
 
 
 def open_chunk_store(data_dir: Path, workdir: str) -> ChunkStore:
@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                                  embed_runner=runner, executor=executor, workers=os.cpu_count() or 2,
                                  progress=not args.no_progress)
         save_config(cfg, cfg.retrieval_dir)
+        work = record_work(cfg.retrieval_dir, tasks=executor.placements, embed_jobs=runner.placements)
     except (ConfigError, DataError, TokenizerError, RetrievalError, ClusterError) as e:
         print(f"build_index: error: {e}", file=sys.stderr)
         return 2
@@ -70,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             executor.close()
     print(f"retrieval database in {cfg.retrieval_dir}")
     print(summary(result))
+    print(work_summary(work))
     return 0
 
 

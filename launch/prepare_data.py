@@ -14,7 +14,7 @@ from retropipe.data.errors import ClusterError, ConfigError, DataError, Tokenize
 from retropipe.data.prepare import prepare, summary
 from retropipe.launch.cli import config_from_args, entry_parser, quiet_engines
 from retropipe.launch.config import save_config
-from retropipe.launch.ray_utils import RayExecutor
+from retropipe.launch.ray_utils import RayExecutor, record_work, work_summary
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
         executor = RayExecutor(args.address, num_cpus=cfg.data.num_workers)
         manifest = prepare(cfg.data, cfg.data_dir, executor=executor, progress=not args.no_progress)
         save_config(cfg, cfg.data_dir)
+        work = record_work(cfg.data_dir, tasks=executor.placements)
     except (ConfigError, DataError, TokenizerError, ClusterError) as e:
         print(f"prepare_data: error: {e}", file=sys.stderr)
         return 2
@@ -35,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
             executor.close()
     print(f"prepared data in {cfg.data_dir}")
     print(summary(manifest))
+    print(work_summary(work))
     return 0
 
 

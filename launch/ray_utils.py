@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 from typing import Callable, Iterable, Iterator
 
 from retropipe.data.errors import ClusterError
@@ -32,9 +33,20 @@ def join_hint(address: str) -> str:
             f"~/.ray/auth_token) must be the one the cluster at {address} was started with")
 
 
+def _placed(fn: Callable, *args):
+    """fn(*args) in a Ray task, with the id of the node that ran it."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id(), fn(*args)
+
+
 class RayExecutor:
+    """`placements`: tasks run per Ray node id, over this executor's life (the entry points record
+    it in the stage's run.json, so a build says which nodes did its work)."""
+
     def __init__(self, address: str | None = None, num_cpus: int | None = None):
         self.address, self.num_cpus, self.started = address, num_cpus, False
+        self.placements: Counter = Counter()
 
     def ensure_started(self):
         import ray
@@ -67,14 +79,19 @@ class RayExecutor:
         for args in jobs:
             if ray is None:
                 ray = self.ensure_started()
-                remote = ray.remote(num_cpus=1, max_retries=3)(fn)
-            pending.append(remote.remote(*args))
+                remote = ray.remote(num_cpus=1, max_retries=3)(_placed)
+            pending.append(remote.remote(fn, *args))
             if len(pending) >= max_in_flight:
                 ready, pending = ray.wait(pending, num_returns=1)
-                yield ray.get(ready[0])
+                yield self._result(ray.get(ready[0]))
         while pending:
             ready, pending = ray.wait(pending, num_returns=1)
-            yield ray.get(ready[0])
+            yield self._result(ray.get(ready[0]))
+
+    def _result(self, placed):
+        node, result = placed
+        self.placements[node] += 1
+        return result
 
     def close(self):
         if self.started:
@@ -82,3 +99,30 @@ class RayExecutor:
 
             ray.shutdown()
             self.started = False
+
+
+def record_work(stage_dir, **placements: Counter) -> dict | None:
+    """<stage_dir>/run.json: how many units of each kind of work each Ray node ran
+    ({"nodes": {node id: {"tasks": 5, "embed_jobs": 40}}}), the build's own record of where it
+    ran; None (and nothing written) when this run did no work (the stage was complete)."""
+    from pathlib import Path
+
+    from retropipe.data.stage import write_json
+
+    nodes: dict[str, dict[str, int]] = {}
+    for kind, counts in placements.items():
+        for node, n in counts.items():
+            nodes.setdefault(node, {})[kind] = n
+    if not nodes:
+        return None
+    record = {"nodes": nodes}
+    write_json(Path(stage_dir) / "run.json", record)
+    return record
+
+
+def work_summary(record: dict | None) -> str:
+    """One line: the work each node did."""
+    if not record:
+        return "ray: no work to do (complete)"
+    return "ray: work per node: " + "; ".join(f"{node[:8]} " + ", ".join(f"{n} {kind}" for kind, n in kinds.items())
+                                            for node, kinds in record["nodes"].items())

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
+from collections import Counter
 from typing import Iterator
 
 import numpy as np
@@ -20,11 +22,15 @@ import numpy as np
 from retropipe.data.chunking import SPLITS
 from retropipe.retrieval.embed import EmbedJob, EmbedSpec
 
+KILL_NODE_ENV = "RETROPIPE_KILL_NODE_AFTER"
+
 
 class EmbedChunks:
     """Ray Data class UDF: one model per actor; a batch is a few jobs, each embedded whole."""
 
     def __init__(self, spec: EmbedSpec, device: str, threads: int):
+        import ray
+
         from retropipe.data.store import ChunkStore
         from retropipe.data.tokenizer import get_tokenizer
         from retropipe.retrieval.embedder import load_embedder, local_model_path
@@ -32,6 +38,8 @@ class EmbedChunks:
         self.spec = spec
         self.model = load_embedder(local_model_path(spec.model_path, spec.hub_name), device=device, threads=threads)
         self.store, self.encoding = ChunkStore(spec.data_dir), get_tokenizer(spec.tokenizer)
+        self.node = ray.get_runtime_context().get_node_id()
+        self.jobs_done = 0
 
     def embed_one(self, job: EmbedJob) -> np.ndarray:
         from retropipe.retrieval.embed import embed_job
@@ -45,7 +53,14 @@ class EmbedChunks:
             vectors.append(self.embed_one(job))                      # (n, d) float16
             chunks.append(np.arange(job.start, job.stop, dtype=np.int64))
             splits.append(np.full(job.stop - job.start, split, dtype=np.int8))
-        return {"split": np.concatenate(splits), "chunk": np.concatenate(chunks), "embedding": np.concatenate(vectors)}
+            self.jobs_done += 1
+            # Tests of losing a node: RETROPIPE_KILL_NODE_AFTER=embed:N (in one node's environment)
+            # kills this node's raylet, with every worker on it, once an actor there has embedded N jobs.
+            if os.environ.get(KILL_NODE_ENV) == f"embed:{self.jobs_done}":
+                os.kill(os.getppid(), signal.SIGKILL)
+        rows = sum(len(c) for c in chunks)
+        return {"split": np.concatenate(splits), "chunk": np.concatenate(chunks), "embedding": np.concatenate(vectors),
+                "node": np.full(rows, self.node)}
 
 
 def quiet_ray_data() -> None:
@@ -57,6 +72,11 @@ def quiet_ray_data() -> None:
         if handler.name == "console":
             handler.setLevel(logging.WARNING)
     log_once("ray_data_progress_manager_disabled")  # the key of that advice: taken, so it is not given
+
+
+def node_cpus(ray) -> list[int]:
+    """CPUs of every node alive."""
+    return [int(n["Resources"].get("CPU", 0)) for n in ray.nodes() if n.get("Alive")]
 
 
 class RayEmbedRunner:
@@ -72,21 +92,29 @@ class RayEmbedRunner:
                  progress: bool = False, max_retries: int = 3, log=print):
         self.executor, self.actors, self.device, self.udf, self.progress = executor, actors, device, udf, progress
         self.max_retries, self.log = max_retries, log
+        self.placements: Counter = Counter()  # jobs embedded per Ray node id
+        self._threads: int | None = None
 
     def resources(self, ray) -> tuple[str, dict, int]:
-        """(device, Ray resources per actor, torch threads per actor)."""
+        """(device, Ray resources per actor, torch threads per actor).
+
+        Each actor owns an equal share of the cluster's cores (threads beyond it only contend), no
+        more than one node holds. Decided once: a retry after a node died runs fewer actors of as
+        many threads, so every job is embedded by the same kernels and the bytes do not change."""
         total = ray.cluster_resources()
         if self.device == "cuda" or (self.device == "auto" and total.get("GPU", 0) >= 1):
             return "cuda", {"num_gpus": 1, "num_cpus": 1}, 1
-        # Each actor owns an equal share of the cores; threads beyond it only contend.
-        threads = max(1, int(total.get("CPU", 1)) // self.actors)
-        return "cpu", {"num_cpus": threads}, threads
+        if self._threads is None:
+            cpus = node_cpus(ray)
+            self._threads = max(1, min(sum(cpus) // self.actors, max(cpus, default=1)))
+        return "cpu", {"num_cpus": self._threads}, self._threads
 
-    def pool_size(self, ray, device: str) -> int:
-        """Actors to start: one GPU each caps them at the cluster's GPUs (more would wait forever)."""
+    def pool_size(self, ray, device: str, threads: int) -> int:
+        """Actors to start: no more than the nodes alive now can hold (one GPU each, or `threads`
+        CPUs each), or the pool would wait forever for a node that died."""
         if device == "cuda":
             return max(1, min(self.actors, int(ray.cluster_resources().get("GPU", 1))))
-        return self.actors
+        return max(1, min(self.actors, sum(c // threads for c in node_cpus(ray))))
 
     def __call__(self, spec: EmbedSpec, jobs: list[EmbedJob]) -> Iterator[tuple[EmbedJob, np.ndarray]]:
         from ray.exceptions import NodeDiedError, RayActorError, WorkerCrashedError
@@ -127,7 +155,7 @@ class RayEmbedRunner:
         # A dead actor fails this execution; __call__ retries what was not delivered
         # (tests/retrieval/test_retrieval_ray.py kills an actor to check).
         ds = ds.map_batches(self.udf, fn_constructor_kwargs={"spec": spec, "device": device, "threads": threads},
-                            batch_size=1, compute=ray.data.ActorPoolStrategy(size=self.pool_size(ray, device)),
+                            batch_size=1, compute=ray.data.ActorPoolStrategy(size=self.pool_size(ray, device, threads)),
                             batch_format="numpy", **resources)
         # Output rows are per chunk; regroup them into whole jobs before handing them on.
         waiting: dict[tuple[int, int], list] = {}
@@ -146,6 +174,7 @@ class RayEmbedRunner:
                     waiting.setdefault(key, []).append((chunk[part], vectors[part]))
                     job = by_key[key]
                     if sum(len(c) for c, _ in waiting[key]) == job.stop - job.start:
+                        self.placements[str(batch["node"][sel][part][0])] += 1
                         pieces = waiting.pop(key)
                         ids = np.concatenate([c for c, _ in pieces])
                         vecs = np.concatenate([v for _, v in pieces])[np.argsort(ids, kind="stable")]

@@ -92,3 +92,59 @@ def read_tensorboard(log_dir):
     (text,) = acc.Tensors("config/text_summary")
     scalars = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
     return hparams, text.tensor_proto.string_val[0].decode(), scalars
+
+
+def launch_nodes(nodes: int, per_node: int, args: list[str], log_dir: Path, env: dict | None = None,
+                 node_env: dict[int, dict] | None = None, node_args: dict[int, list[str]] | None = None
+                 ) -> list[subprocess.Popen]:
+    """Start `nodes` DeepSpeed launchers on this machine, each a node of `per_node` processes, as a
+    cluster without passwordless ssh starts them (docs/cluster.md): the same hostfile on every
+    node, `--no_ssh --node_rank R`, rank 0's address and a port. node_env adds variables to one
+    node's launcher (and so to its ranks); node_args gives one node other arguments."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    hostfile = log_dir / "hostfile"
+    hostfile.write_text("".join(f"node{n} slots={per_node}\n" for n in range(nodes)))
+    port = free_port()
+    launcher = str(Path(sys.executable).parent / "deepspeed")
+    base = {**os.environ, **(env or {}), "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", "PYTHONUNBUFFERED": "1"}
+    procs = []
+    for n in range(nodes):
+        log = open(log_dir / f"node{n}.log", "w")
+        cmd = [launcher, "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(n), "--master_addr", "127.0.0.1",
+               "--master_port", str(port), "--log_level", "warning", "launch/train.py", *(node_args or {}).get(n, args)]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                      env={**base, **((node_env or {}).get(n, {}))}))
+    return procs
+
+
+def train_nodes(nodes: int, per_node: int, args: list[str], log_dir: Path, timeout: float = 300,
+                node_env: dict[int, dict] | None = None) -> tuple[list[int], str]:
+    """Exit codes of every node's launcher and their logs (a port taken meanwhile: start again)."""
+    for _ in range(3):
+        procs = launch_nodes(nodes, per_node, args, log_dir, node_env=node_env)
+        deadline = time.time() + timeout
+        while time.time() < deadline and any(p.poll() is None for p in procs):
+            time.sleep(0.2)
+        kill(procs)
+        log = "\n".join((log_dir / f"node{n}.log").read_text() for n in range(nodes))
+        if PORT_TAKEN not in log:
+            break
+    return [p.returncode for p in procs], log
+
+
+def rank_pids(marker: str) -> dict[int, int]:
+    """{rank: pid} of the running launch/train.py processes whose command line holds `marker`."""
+    found = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"launch/train.py" in cmd and marker.encode() in cmd and b"deepspeed.launcher" not in cmd:
+            rank = next((int(e[5:]) for e in env if e.startswith(b"RANK=")), None)
+            if rank is not None and b"-m\0deepspeed" not in cmd:
+                found[rank] = int(pid)
+    return found

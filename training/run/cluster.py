@@ -268,6 +268,7 @@ class Watchdog:
         first = self._counters(everyone)
         for _ in range(3):
             time.sleep(self.interval)
+            self._beat()  # this rank is alive while it looks (it may be the watchdog thread looking)
             if self._aborted():
                 return None
         now = self._counters(everyone)

@@ -139,13 +139,15 @@ def latest_checkpoint(ckpt_dir: Path) -> dict | None:
 
 
 def declare_checkpoint(ckpt_dir: Path, step: int, keep: int) -> None:
-    """Mark the checkpoint of `step` complete (every rank's files are on disk), drop all but the
-    newest `keep`."""
+    """Mark the checkpoint of `step` complete (every rank's files are on disk); keep the newest
+    `keep` complete ones, and drop the incomplete ones a killed run left before this step."""
     tag = checkpoint_tag(step)
     write_json(ckpt_dir / tag / STATE_FILE, {"step": step})
     write_json(ckpt_dir / LATEST, {"tag": tag, "step": step})
     tags = sorted(p.name for p in ckpt_dir.glob("step*") if p.is_dir())
-    for old in tags[:-keep]:
+    complete = [t for t in tags if (ckpt_dir / t / STATE_FILE).is_file()]
+    stale = [t for t in tags if t < tag and t not in complete]
+    for old in complete[:-keep] + stale:
         shutil.rmtree(ckpt_dir / old, ignore_errors=True)
 
 

@@ -90,8 +90,12 @@ class Trainer:
         return start.step
 
     def save(self, step: int) -> None:
+        """Every rank's share of the checkpoint of `step`, declared complete (latest.json) only once
+        all are on disk: a run killed while writing resumes from the checkpoint before."""
         tag = checkpoint_tag(step)
         self.pipe.save(self.ckpt_dir, tag, step)
+        # Tests: RETROPIPE_KILL_AFTER=checkpoint:N kills a rank with its share of step N written.
+        fault_point("checkpoint", step)
         torch.save(rng_state(), self.ckpt_dir / tag / f"rng_rank{self.rank:03d}.pt")
         dist.barrier()  # every rank's files are on disk before the checkpoint is declared complete
         if self.rank == 0:

@@ -1,0 +1,170 @@
+"""Training on two nodes, rehearsed on one machine: two DeepSpeed launchers with the same hostfile,
+`--no_ssh --node_rank R --master_addr --master_port`, as on a cluster without passwordless ssh
+(docs/cluster.md). World 4: 2 pipeline stages × 2 data-parallel replicas, 2 processes per node.
+
+- the two-node run equals the same run on one node, exactly, and a single process (fp32);
+- its checkpoints move between one node and two, both ways;
+- a rank killed or stopped mid-step ends every process of both nodes within train.dist_timeout
+  + 30 s, each saying which rank was lost; a node killed while writing a checkpoint leaves the
+  checkpoint before it, and the rerun reproduces the uninterrupted loss curve bit for bit;
+- a run directory the nodes do not share is refused; three replicas whose tied-embedding copies
+  drift by rounding still finish.
+"""
+
+import json
+import os
+import re
+import shutil
+import signal
+import time
+
+import pytest
+
+from tests.distributed import ROOT, kill, launch_nodes, rank_pids, train, train_nodes
+from tests.launch.test_training import TINY, losses
+
+pytestmark = pytest.mark.slow
+
+COMMON = [*TINY, "data.max_documents=100", "train.micro_batch_size=1", "train.steps=4", "train.checkpoint_every=2",
+          "train.keep_checkpoints=3"]
+
+
+def args(workdir, config: str, name: str, *overrides: str) -> list[str]:
+    sets = [f"workdir={workdir}", f"train.name={name}", *COMMON, *overrides]
+    return ["--config", f"configs/{config}", *[a for o in sets for a in ("--set", o)]]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """Prepared data and its retrieval database (real BERT embeddings, FAISS Flat)."""
+    from retropipe.data.prepare import prepare
+    from retropipe.data.store import ChunkStore
+    from retropipe.launch.config import load_config
+    from retropipe.retrieval.build import build_retrieval
+
+    wd = tmp_path_factory.mktemp("cluster")
+    cfg = load_config(ROOT / "configs" / "tiny-retro.yaml", [f"workdir={wd}", *COMMON])
+    prepare(cfg.data, cfg.data_dir, progress=False)
+    build_retrieval(cfg.retrieval, ChunkStore(cfg.data_dir), cfg.retrieval_dir,
+                    chunks_per_seq=cfg.train.seq_len // cfg.data.chunk_len)
+    return wd
+
+
+def two_nodes(workdir, config, name, *overrides, timeout=300, node_env=None) -> tuple[list[int], str]:
+    return train_nodes(2, 2, args(workdir, config, name, *overrides), workdir / f"logs-{name}", timeout, node_env)
+
+
+@pytest.mark.parametrize("config", ["tiny-gpt2.yaml", "tiny-retro.yaml"])
+def test_two_nodes_equal_one_node_and_one_process(workdir, config):
+    kind = config.split("-")[1].split(".")[0]
+    codes, log = two_nodes(workdir, config, f"{kind}-two")
+    assert codes == [0, 0], log[-3000:]
+    assert "pipeline: 2 stages × 2 data parallel" in log
+    code, log = train(4, args(workdir, config, f"{kind}-one"), workdir / f"logs-{kind}-one")
+    assert code == 0, log[-3000:]
+    code, log = train(1, args(workdir, config, f"{kind}-single", "train.pipeline_stages=1", "train.micro_batches=4"),
+                      workdir / f"logs-{kind}-single")
+    assert code == 0, log[-3000:]
+    two, one, single = (losses(workdir / "runs" / f"{kind}-{n}") for n in ("two", "one", "single"))
+    assert sorted(two) == [1, 2, 3, 4] and two == one  # the same ranks, the same sums: bit for bit
+    for step in two:  # the same samples per step; sums in another order
+        assert abs(two[step] - single[step]) < 1e-5, (step, two[step], single[step])
+
+
+def test_checkpoints_move_between_one_node_and_two(workdir):
+    """A 2-node run extended on 1 node, a 1-node run extended on 2 nodes: the same steps 5 and 6."""
+    for name, first, then in (("g2to1", 2, 1), ("g1to2", 1, 2)):
+        for nodes, steps in ((first, 4), (then, 6)):
+            if nodes == 2:
+                codes, log = two_nodes(workdir, "tiny-gpt2.yaml", name, f"train.steps={steps}")
+                assert codes == [0, 0], log[-3000:]
+            else:
+                code, log = train(4, args(workdir, "tiny-gpt2.yaml", name, f"train.steps={steps}"),
+                                  workdir / f"logs-{name}-{steps}")
+                assert code == 0, log[-3000:]
+        assert "resumed from step 4" in log, log[-2000:]
+    a, b = losses(workdir / "runs" / "g2to1"), losses(workdir / "runs" / "g1to2")
+    assert sorted(a) == list(range(1, 7)) and a == b
+
+
+def wait_for_steps(run_dir, n: int, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if (run_dir / "metrics.jsonl").exists() and len((run_dir / "metrics.jsonl").read_text().splitlines()) >= n:
+            return
+        time.sleep(0.2)
+    pytest.fail(f"{run_dir} did not reach step {n}")
+
+
+@pytest.mark.parametrize("sig, victim", [(signal.SIGKILL, 3), (signal.SIGSTOP, 0)])
+def test_a_lost_or_stopped_rank_ends_every_process_quickly(workdir, sig, victim):
+    """SIGSTOP is what a hung GPU or a partitioned host looks like from the other ranks: no reset
+    arrives. Rank 0 hosts the rendezvous store the watchdog beats into."""
+    timeout = 10
+    name = f"lost-{sig.name}-{victim}"
+    procs = launch_nodes(2, 2, args(workdir, "tiny-gpt2.yaml", name, "train.steps=1000", "train.checkpoint_every=1000",
+                                    f"train.dist_timeout={timeout}"), workdir / f"logs-{name}")
+    try:
+        wait_for_steps(workdir / "runs" / name, 2)
+        ranks = rank_pids(f"train.name={name}")
+        assert sorted(ranks) == [0, 1, 2, 3], ranks
+        os.kill(ranks[victim], sig)
+        begun = time.time()
+        others = [pid for rank, pid in ranks.items() if rank != victim]
+        while time.time() - begun < timeout + 60 and (any(p.poll() is None for p in procs)
+                                                      or any(os.path.exists(f"/proc/{pid}") for pid in others)):
+            time.sleep(0.2)
+        took = time.time() - begun
+    finally:
+        kill(procs)
+        if sig == signal.SIGSTOP:
+            os.kill(ranks[victim], signal.SIGKILL) if os.path.exists(f"/proc/{ranks[victim]}") else None
+    log = "\n".join((workdir / f"logs-{name}" / f"node{n}.log").read_text() for n in (0, 1))
+    assert took < timeout + 30, (took, log[-3000:])
+    assert all(p.returncode not in (0, None) for p in procs), [p.returncode for p in procs]
+    lines = re.findall(r"train: error: lost rank \d+ .*? rank \d exits", log)  # a progress bar may precede one
+    assert len(lines) == 3 and all(f"lost rank {victim} " in line for line in lines), lines
+    assert "Traceback" not in log
+
+
+def test_a_node_killed_while_writing_a_checkpoint_resumes_from_the_one_before(workdir):
+    """Node 1's ranks die with their share of step 4's checkpoint on disk: step 2 stays the newest
+    complete one, and the rerun of both nodes reproduces the uninterrupted curve bit for bit."""
+    name = "killed-ckpt"
+    codes, log = two_nodes(workdir, "tiny-gpt2.yaml", name, "train.steps=6", "train.dist_timeout=10",
+                           node_env={1: {"RETROPIPE_KILL_AFTER": "checkpoint:4"}})
+    assert codes[1] != 0 and codes[0] != 0, (codes, log[-3000:])
+    ckpts = workdir / "runs" / name / "checkpoints"
+    assert json.loads((ckpts / "latest.json").read_text())["step"] == 2
+    assert (ckpts / "step000004").is_dir() and not (ckpts / "step000004" / "state.json").exists()
+    codes, log = two_nodes(workdir, "tiny-gpt2.yaml", name, "train.steps=6", "train.dist_timeout=10")
+    assert codes == [0, 0] and "resumed from step 2" in log, log[-3000:]
+    code, log = train(4, args(workdir, "tiny-gpt2.yaml", "uninterrupted", "train.steps=6"),
+                      workdir / "logs-uninterrupted")
+    assert code == 0, log[-3000:]
+    assert losses(workdir / "runs" / name) == losses(workdir / "runs" / "uninterrupted")
+
+
+def test_a_run_directory_the_nodes_do_not_share_is_refused(workdir, tmp_path):
+    """Node 1 sees another directory at the workdir's path (here: another path, the same data)."""
+    shutil.copytree(workdir / "data", tmp_path / "data")
+    procs = launch_nodes(2, 2, args(workdir, "tiny-gpt2.yaml", "unshared"), workdir / "logs-unshared",
+                         node_args={1: args(tmp_path, "tiny-gpt2.yaml", "unshared")})
+    deadline = time.time() + 120
+    while time.time() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.2)
+    kill(procs)
+    log = (workdir / "logs-unshared" / "node0.log").read_text()
+    assert all(p.returncode == 2 for p in procs), ([p.returncode for p in procs], log[-3000:])
+    assert "is not shared between the nodes: rank(s) [2, 3]" in log, log[-3000:]
+
+
+def test_three_replicas_finish_with_rounding_drift_in_the_tied_embedding(workdir):
+    """2 stages × 3 replicas: each stage's replicas all-reduce the tied embedding's gradient over
+    their own group, in another order, and the copies differ in their last bits."""
+    code, log = train(6, args(workdir, "tiny-gpt2.yaml", "three", "train.steps=3"), workdir / "logs-three")
+    assert code == 0, log[-3000:]
+    assert "pipeline: 2 stages × 3 data parallel" in log
+    summary = json.loads((workdir / "runs" / "three" / "summary.json").read_text())
+    assert 0 < summary["tied_embedding_max_diff"] < 1e-6, summary
+    assert "differ by rounding at the end of training" in log
