@@ -116,7 +116,7 @@ class NeighbourStore:
         """Training chunks chunk_ids (...) as their own neighbour, with continuation: (..., r) int64.
 
         Part 0 of the database is this chunk store's training split, so a training chunk's id is
-        its database id. Used only for train.self_neighbours, never at evaluation.
+        its database id. Used only for training's lessons (training/run/lessons.py), never at evaluation.
         """
         if self.database.parts[0].store.fingerprint != self.chunk_store.fingerprint:
             raise DataError(f"{self.database.root}: part 0 is not the training split of {self.chunk_store.root}; "
@@ -129,7 +129,7 @@ class NeighbourStore:
         chunks = self.chunk_store.split(split)
         source = self.reading.source_chunks(chunk_ids, self._shuffled_order(split) if self.reading.shuffled else None)
         ids = self.neighbour_ids(split, source, k)                                       # (..., k)
-        if not self.reading.align:
+        if not self.reading.align or self.reading.shuffled:
             return self.reading.tokens(self.database, ids)
         flat = source.reshape(-1)
         real = np.arange(chunks.chunk_len)[None, :] < chunks.lengths[flat][:, None]

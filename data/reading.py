@@ -11,8 +11,10 @@ for new text); both hand them to their `Reading`, which decides the rest:
   - `align`: each neighbour window slides along its document to line up with the query chunk
     (below); off, a neighbour is the paper's [N, F], its chunk and the chunk after;
   - `aligned_only`: a neighbour that does not line up is dropped (all -1);
-  - `shuffled`: chunk u reads the neighbours of chunk `shuffled_order(...)[u]`, a chunk of another
-    document (evaluation's RETRO[SHUFFLED] row), lined up and filtered against that chunk.
+  - `shuffled`: chunk u reads the neighbours retrieved for chunk `shuffled_order(...)[u]`, a chunk
+    of another document, as retrieved ([N, F]): neither lined up with u nor filtered, whatever
+    `align` and `aligned_only` say. Evaluation's RETRO[SHUFFLED] row: text that does not belong,
+    the same on every evaluation path (the training data, a held-out corpus, another database).
 Training reads `Reading.for_training` (aligned, unfiltered: filtered there too, the trunk came
 out worse, docs/results.md); evaluation and generation `Reading.for_evaluation`. Every field
 enters `settings()`, so a new rule here changes every report's fingerprint by itself.
@@ -153,7 +155,7 @@ class Reading:
         database: a data.database.Database.
         """
         ids = np.asarray(ids, dtype=np.int64)
-        if not self.align or query is None:
+        if not self.align or self.shuffled or query is None:
             return database.neighbour_tokens(ids)
         m, k = database.chunk_len, ids.shape[-1]
         region = database.regions(ids).reshape(-1, 4 * m)                                 # (.. k, 4m)

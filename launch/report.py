@@ -46,6 +46,29 @@ def how_trained(checkpoint: Path, kind: str) -> str | None:
     return line
 
 
+def _short(name: str) -> str:
+    """A row's name without its model label when there is one RETRO: "RETRO[ON] k=2", "(baseline)"."""
+    return name.split(" ", 1)[1] if " " in name else name
+
+
+def slice_harm(report: dict) -> list[dict]:
+    """Per RETRO model and α slice: ON and SHUFFLED against OFF ({"model", "slice", "chunks", "on_vs_off",
+    "shuffled_vs_off"}), for the report's do-no-harm table."""
+    alpha, out = report.get("alpha") or {}, []
+    for off in (r["model"] for r in report["rows"] if r["model"].endswith("RETRO[OFF]")):
+        label = off[:-len(" RETRO[OFF]")]
+        on = next((r["model"] for r in report["rows"] if r["model"].startswith(f"{label} RETRO[ON]")), None)
+        shuffled = f"{label} RETRO[SHUFFLED]"
+        for piece in alpha.get("slices") or []:
+            if piece.get(off) is None:
+                continue
+            out.append({"model": label, "slice": piece["slice"], "chunks": piece["chunks"],
+                        "on_vs_off": piece[on] / piece[off] - 1 if on and piece.get(on) is not None else None,
+                        "shuffled_vs_off": piece[shuffled] / piece[off] - 1 if piece.get(shuffled) is not None
+                        else None})
+    return out
+
+
 def table(report: dict) -> str:
     """The terminal summary: every row, its change against RETRO[OFF], the high- and low-overlap buckets."""
     lines = [f"{'model':<44}{'bits/byte':>11}{'vs OFF':>9}{'ppl':>10}", "-" * 74]
@@ -53,10 +76,11 @@ def table(report: dict) -> str:
         lines.append(f"{row['model']:<44}{row['bits_per_byte']:>11.4f}{_vs_off(report, row):>9}{row['perplexity']:>10.2f}")
     alpha = report.get("alpha")
     if alpha:
-        for bucket in (b for b in alpha["buckets"] if b["bucket"].startswith(("α ≤ 12.5%", "α ≥"))):
-            values = ", ".join(f"{r['model']} {bucket[r['model']]:.4f}" for r in report["rows"]
-                               if bucket.get(r["model"]) is not None)
-            lines.append(f"at {bucket['bucket']} ({bucket['chunks']} chunks): {values or '-'}")
+        lines.append("by α slice (bits/byte; each chunk in one slice):")
+        for piece in alpha.get("slices") or []:
+            values = ", ".join(f"{_short(r['model'])} {piece[r['model']]:.4f}" for r in report["rows"]
+                               if piece.get(r["model"]) is not None)
+            lines.append(f"  {piece['slice']:<22}{piece['chunks']:>6} chunks: {values or '-'}")
     curve = report.get("database_curve")
     if curve:
         lines.append("database-size curve (RETRO[ON] bits/byte): " + "; ".join(
@@ -104,13 +128,16 @@ def _plots(report: dict, run_dirs: list[Path], out: Path) -> list[tuple[str, str
 
     alpha = report.get("alpha")
     if alpha:
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        buckets = [b for b in alpha["buckets"] if all(b.get(r["model"]) is not None for r in rows)]
-        for r in rows:
-            ax.plot([b["bucket"] for b in buckets], [b[r["model"]] for b in buckets], marker="o", label=r["model"])
-        ax.set(xlabel="chunks with overlap α", ylabel="bits per byte", title="Bits per byte by leakage α")
-        ax.tick_params(axis="x", labelsize=7)
-        ax.legend(fontsize=7)
+        fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
+        for ax, key, title in ((axes[0], "buckets", "cumulative buckets (the paper's)"),
+                               (axes[1], "slices", "disjoint slices (where harm shows)")):
+            groups = [g for g in alpha.get(key) or [] if all(g.get(r["model"]) is not None for r in rows)]
+            for r in rows:
+                ax.plot([g[key[:-1]] for g in groups], [g[r["model"]] for g in groups], marker="o", label=r["model"])
+            ax.set(xlabel="chunks with overlap α", title=title)
+            ax.tick_params(axis="x", labelsize=7, rotation=20)
+        axes[0].set(ylabel="bits per byte")
+        axes[1].legend(fontsize=7)
         save(fig, "bpb_by_alpha.png", "Bits per byte by overlap α")
 
     curve = report.get("database_curve")
@@ -134,9 +161,10 @@ def write_report(report: dict, run_dirs: list[Path], out: Path) -> None:
     md = [f"# Evaluation report ({report['split']} split of {report.get('corpus', 'the corpus')})", "",
           f"Sliding window {report['window']} tokens, stride {report['stride']}; {report['chunks']:,} chunks; "
           f"neighbours from {report.get('database', 'the database')}.", "",
-          "RETRO[ON] reads each chunk's own neighbours, RETRO[OFF] none, RETRO[SHUFFLED] those of a chunk of "
-          "another document (same count, unrelated content): ON below SHUFFLED is the use of what the neighbours "
-          "say; SHUFFLED below OFF only a content-free offset.", "",
+          "RETRO[ON] reads each chunk's own neighbours, RETRO[OFF] none, RETRO[SHUFFLED] those retrieved for a "
+          "chunk of another document, as retrieved (same count, text that does not belong; neither lined up nor "
+          "filtered): ON below SHUFFLED is the use of what the neighbours say; SHUFFLED near OFF means the model "
+          "is not misled by neighbours that do not hold its text.", "",
           "| model | bits/byte | vs RETRO[OFF] | perplexity | tokens | bytes |", "|---|---|---|---|---|---|"]
     md += [f"| {r['model']} | {r['bits_per_byte']:.4f} | {_vs_off(report, r) or '–'} | {r['perplexity']:.2f} | "
            f"{r['tokens']:,} | {r['bytes']:,} |" for r in rows]
@@ -155,6 +183,21 @@ def write_report(report: dict, run_dirs: list[Path], out: Path) -> None:
         md += [f"| {b['bucket']} | {b['chunks']} | " + " | ".join(
             f"{b[r['model']]:.4f}" if b.get(r["model"]) is not None else "–" for r in rows) + " |"
             for b in alpha["buckets"]]
+        md += ["", "### By α slice", "",
+               "Each chunk in exactly one slice, so a slice shows harm that a cumulative bucket averages away: "
+               "RETRO must not be worse with its neighbours (ON) than without them (OFF) in any slice, nor with "
+               "another document's neighbours (SHUFFLED: those retrieved for a chunk of another document, as "
+               "retrieved, neither lined up nor filtered; the same on every evaluation path).", "",
+               "| slice | chunks | " + " | ".join(r["model"] for r in rows) + " |", "|---|---|" + "---|" * len(rows)]
+        md += [f"| {g['slice']} | {g['chunks']} | " + " | ".join(
+            f"{g[r['model']]:.4f}" if g.get(r["model"]) is not None else "–" for r in rows) + " |"
+            for g in alpha.get("slices") or []]
+        harm = slice_harm(report)
+        if harm:
+            md += ["", "| model | slice | chunks | ON vs OFF | SHUFFLED vs OFF |", "|---|---|---|---|---|"]
+            md += [f"| {h['model']} | {h['slice']} | {h['chunks']} | "
+                   + " | ".join(f"{h[k]:+.2%}" if h[k] is not None else "–" for k in ("on_vs_off", "shuffled_vs_off"))
+                   + " |" for h in harm]
     curve = report.get("database_curve")
     if curve:
         md += ["", "## Database-size curve (RETRO paper, Fig. 1 right)", "",

@@ -45,14 +45,15 @@ def test_neighbour_store_tokens(built):
 
 
 def test_self_neighbour_lessons_put_the_chunk_and_its_continuation_first(built):
-    from retropipe.training.run.batches import SequenceBatches, lesson_chunks
+    from retropipe.training.run.batches import SequenceBatches
+    from retropipe.training.run.lessons import Lessons, lesson_chunks
 
     root, store, _ = built
     reader = NeighbourStore.of(root / "retrieval", store, chunks_per_seq=SEQ_CHUNKS)
     train = store.split("train")
     seq = np.arange(train.num_sequences(SEQ_CHUNKS))
     plain = SequenceBatches(store, "train", SEQ_CHUNKS * CHUNK_LEN, reader, k=2).batch(seq)
-    taught = SequenceBatches(store, "train", SEQ_CHUNKS * CHUNK_LEN, reader, k=2, self_neighbours=0.5, seed=3)
+    taught = SequenceBatches(store, "train", SEQ_CHUNKS * CHUNK_LEN, reader, k=2, lessons=Lessons(copy=0.5), seed=3)
     got = taught.batch(seq)
     chunk_ids = train.sequence_chunk_ids(seq, SEQ_CHUNKS)                         # (b, l)
     lesson = lesson_chunks(chunk_ids, 0.5, 3)
@@ -170,9 +171,9 @@ def test_best_shift_lines_up_the_end_of_the_query():
 
 
 def test_one_reading_decides_what_a_chunk_reads(built):
-    """Training reads lined up and unfiltered, evaluation lined up and filtered; SHUFFLED reads
-    another document's neighbours, read as they are read for that document; every field of the
-    rule is in the settings that fingerprint a report."""
+    """Training reads lined up and unfiltered, evaluation lined up and filtered; SHUFFLED reads the
+    neighbours retrieved for another document's chunk as retrieved, on every evaluation path; every
+    field of the rule is in the settings that fingerprint a report."""
     from retropipe.retrieval.config import RetrievalConfig
 
     root, store, _ = built
@@ -189,7 +190,41 @@ def test_one_reading_decides_what_a_chunk_reads(built):
     ids = np.arange(len(val))
     order = shuffled_order(val.doc_index)
     assert (val.doc_index[order] != val.doc_index).all()
-    np.testing.assert_array_equal(shuffled.neighbour_tokens("validation", ids), on.neighbour_tokens("validation", order))
+    raw = on.read_as(Reading())                                   # [N, F] as retrieved
+    np.testing.assert_array_equal(shuffled.neighbour_tokens("validation", ids), raw.neighbour_tokens("validation", order))
+    kept = on.neighbour_tokens("validation", order)
+    assert (kept < 0).sum() > 0 and (shuffled.neighbour_tokens("validation", ids) < 0).sum() < (kept < 0).sum()
     settings = shuffled.reading.settings()
     assert settings == {"align": True, "aligned_only": True, "shuffled": True, "alignment_rule": ALIGNMENT_RULE}
     assert on.reading.settings() != settings
+
+
+def test_diverging_and_distractor_lessons_teach_when_not_to_copy(built):
+    """A diverging lesson holds the chunk and its continuation up to a random token of the
+    continuation, then another document's text; a distractor is another document's chunk as
+    retrieved. One draw per chunk: the copy lessons stay where they were."""
+    from retropipe.training.run.batches import SequenceBatches
+    from retropipe.training.run.lessons import Lessons, lesson_chunks, other_chunks
+
+    root, store, _ = built
+    reader = NeighbourStore.of(root / "retrieval", store, chunks_per_seq=SEQ_CHUNKS)
+    train = store.split("train")
+    seq = np.arange(train.num_sequences(SEQ_CHUNKS))
+    lessons = Lessons(copy=0.3, diverging=0.3, distractor=0.3)
+    got = SequenceBatches(store, "train", SEQ_CHUNKS * CHUNK_LEN, reader, k=2, lessons=lessons, seed=3).batch(seq)
+    chunk_ids = train.sequence_chunk_ids(seq, SEQ_CHUNKS)
+    copy, diverging, distractor = lessons.kinds(chunk_ids, 3)
+    np.testing.assert_array_equal(copy, lesson_chunks(chunk_ids, 0.3, 3))
+    assert not (copy & diverging).any() and not (diverging & distractor).any() and diverging.any() and distractor.any()
+    own = reader.own_tokens(chunk_ids)                                              # (b, l, r)
+    others = reader.database.neighbour_tokens(other_chunks(chunk_ids, len(train), 3)[..., None])[..., 0, :]
+    first = got["neighbours"][..., 0, :]
+    np.testing.assert_array_equal(first[copy], own[copy])
+    np.testing.assert_array_equal(first[distractor], others[distractor])
+    for (b, l) in zip(*np.nonzero(diverging)):
+        cut = np.flatnonzero(first[b, l] != own[b, l])
+        cut = cut[0] if len(cut) else 2 * CHUNK_LEN
+        assert cut >= CHUNK_LEN  # the chunk itself is whole; the divergence lies in the continuation
+        np.testing.assert_array_equal(first[b, l, cut:], others[b, l, cut:])
+    docs = train.doc_index
+    assert (docs[other_chunks(chunk_ids, len(train), 3)] != docs[chunk_ids]).mean() > 0.9

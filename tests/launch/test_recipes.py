@@ -79,7 +79,7 @@ def first_loss(cfg, warm_from=None) -> float:
     retro = cfg.model.retrieves
     nbrs = NeighbourStore.of(cfg.retrieval_dir, store, t.seq_len // store.chunk_len,
                              reading=Reading.for_training(cfg.retrieval)) if retro else None
-    data = SequenceBatches(store, "train", t.seq_len, nbrs, t.neighbours, t.self_neighbours, t.seed)
+    data = SequenceBatches(store, "train", t.seq_len, nbrs, t.neighbours, t.lessons, t.seed)
     batches = micro_batches(data, 0, t.micro_batch_size, 0, 1, t.seed)
     total = 0.0
     with torch.no_grad():

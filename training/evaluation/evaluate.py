@@ -6,13 +6,15 @@ Rows, per model (bits per byte on the same chunks, training/evaluation/scoring.p
     GPT-2:  "<label> (baseline)"          no neighbours
     RETRO:  "<label> RETRO[ON] k=K"       each chunk's own neighbours, K = eval.neighbours
             "<label> RETRO[OFF]"          none: every CCA adds an exact zero, the trunk alone
-            "<label> RETRO[SHUFFLED]"     each chunk gets the K neighbours of a chunk of another
-                                          document (data/reading.py, `shuffled`): same count and shape,
-                                          unrelated content. ON below SHUFFLED is use of the neighbours'
-                                          content; SHUFFLED below OFF is a content-free offset.
+            "<label> RETRO[SHUFFLED]"     each chunk gets the K neighbours retrieved for a chunk of
+                                          another document, as retrieved: neither lined up with this
+                                          chunk nor filtered (data/reading.py, `shuffled`). Same count
+                                          and shape, text that does not belong: a model that reads its
+                                          neighbours well stays near OFF; ON below SHUFFLED is use of
+                                          the neighbours' content.
             "<label> RETRO[ON] k=K2"      K2 = eval.more_neighbours, when larger than K
 Leakage: α per chunk against the neighbours it is predicted with (training/evaluation/leakage.py), and every
-row's bits per byte per α bucket. The database-size curve: RETRO[ON] of each RETRO model against
+row's bits per byte per α bucket (cumulative, as the paper plots them) and per disjoint α slice. The database-size curve: RETRO[ON] of each RETRO model against
 growing databases (`curve`: one neighbour source per database size).
 """
 
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from retropipe.training.evaluation.leakage import alpha_buckets, leakage
+from retropipe.training.evaluation.leakage import alpha_buckets, alpha_slices, leakage
 from retropipe.training.evaluation.scoring import ChunkScores, score_split
 
 
@@ -78,10 +80,13 @@ def evaluate_models(models: list[tuple[str, object]], chunks, byte_lengths: np.n
               "database_curve": None}
     if neighbours is not None:
         alpha = leakage(chunks, neighbours, e.neighbours, count)
-        buckets = [{"bucket": label, "chunks": int(sel.sum()),
-                    **{name: (s.bits_per_byte(sel) if sel.any() else None) for name, s in scores.items()}}
-                   for label, sel in alpha_buckets(alpha)]
-        report["alpha"] = {"buckets": buckets, "mean": float(alpha.mean()) if count else 0.0}
+
+        def per(groups, key):
+            return [{key: label, "chunks": int(sel.sum()),
+                     **{name: (s.bits_per_byte(sel) if sel.any() else None) for name, s in scores.items()}}
+                    for label, sel in groups]
+        report["alpha"] = {"buckets": per(alpha_buckets(alpha), "bucket"), "slices": per(alpha_slices(alpha), "slice"),
+                           "mean": float(alpha.mean()) if count else 0.0}
     retro = [(label, model) for label, model in models if model.cfg.retrieves]
     if curve and retro:
         points = []

@@ -17,6 +17,8 @@ import numpy as np
 # Cumulative buckets "α ≤ x" (α ≤ 12.5% = at most 8 shared tokens of 64), and the high-overlap one.
 ALPHA_AT_MOST = (0.0, 0.125, 0.25, 0.5, 0.75, 1.0)
 ALPHA_HIGH = 0.5
+# Upper edges of the disjoint slices between α = 0 and α ≥ ALPHA_HIGH.
+ALPHA_SLICE_EDGES = (0.125, 0.25)
 
 
 def longest_common_substring(a: np.ndarray, b: np.ndarray) -> int:
@@ -68,4 +70,18 @@ def alpha_buckets(alpha: np.ndarray) -> list[tuple[str, np.ndarray]]:
     """(label, selection) per α bucket: cumulative from 0 (α ≤ 0, ≤ 12.5%, …, all), then α ≥ 50%."""
     out = [(f"α ≤ {hi:.1%}", alpha <= hi + 1e-9) for hi in ALPHA_AT_MOST]
     out.append((f"α ≥ {ALPHA_HIGH:.0%}", alpha >= ALPHA_HIGH - 1e-9))
+    return out
+
+
+def alpha_slices(alpha: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """(label, selection) per disjoint α slice: α = 0, then (0, 12.5%], (12.5%, 25%], (25%, 50%),
+    [50%, 100%]. Every chunk lies in exactly one: a slice shows harm that a cumulative bucket
+    averages away."""
+    eps = 1e-9
+    edges = [(0.0, ALPHA_SLICE_EDGES[0]), *zip(ALPHA_SLICE_EDGES, ALPHA_SLICE_EDGES[1:])]
+    out = [("α = 0", alpha <= eps)]
+    out += [(f"{lo:.1%} < α ≤ {hi:.1%}", (alpha > lo + eps) & (alpha <= hi + eps)) for lo, hi in edges]
+    out.append((f"{ALPHA_SLICE_EDGES[-1]:.1%} < α < {ALPHA_HIGH:.0%}", (alpha > ALPHA_SLICE_EDGES[-1] + eps)
+                & (alpha < ALPHA_HIGH - eps)))
+    out.append((f"α ≥ {ALPHA_HIGH:.0%}", alpha >= ALPHA_HIGH - eps))
     return out

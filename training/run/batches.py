@@ -7,9 +7,9 @@ docs/architecture.md). `SequenceBatches.batch(seq_ids)` gives the model's inputs
     labels     (b, n)        int64   the next token; -100 where the next token is padding
     neighbours (b, l, k, r)  int64   RETRO only: neighbour + continuation tokens, -1 = missing
 
-With `self_neighbours` = p > 0 (train.self_neighbours, training split only), a share p of the
-chunks get themselves and their continuation as first neighbour: lessons in copying, which
-natural text rarely gives (docs/results.md). Which chunks is a pure function of (seed, chunk id).
+With `lessons` (training split only), a share of the chunks get a first neighbour chosen to
+teach the CCA when to copy: themselves and their continuation, the same diverging into another
+document's text, or another document's chunk (training/run/lessons.py).
 
 The order is a seeded permutation per epoch; micro-batch j of the whole run is a pure function
 of (seed, j), so a resumed run reads exactly what the uninterrupted one would have.
@@ -24,11 +24,12 @@ import numpy as np
 
 from retropipe.data.store import ChunkStore
 from retropipe.training.models.lm_head import IGNORE_INDEX
+from retropipe.training.run.lessons import Lessons, apply_lessons
 
 
 class SequenceBatches:
     def __init__(self, store: ChunkStore, split: str, seq_len: int, neighbours=None, k: int = 0,
-                 self_neighbours: float = 0.0, seed: int = 0):
+                 lessons: Lessons = Lessons(), seed: int = 0):
         self.store, self.split_name = store, split
         self.chunks = store.split(split)
         self.chunk_len = store.chunk_len
@@ -37,7 +38,7 @@ class SequenceBatches:
         self.chunks_per_seq = seq_len // self.chunk_len
         self.seq_len = seq_len
         self.neighbours, self.k = neighbours, k  # a data.neighbours.NeighbourStore, or None
-        self.self_neighbours, self.seed = self_neighbours, seed
+        self.lessons, self.seed = lessons, seed
 
     def __len__(self) -> int:
         return self.chunks.num_sequences(self.chunks_per_seq)
@@ -58,21 +59,10 @@ class SequenceBatches:
         out = {"tokens": tokens, "labels": labels}
         if self.neighbours is not None:
             nbrs = self.neighbours.neighbour_tokens(self.split_name, ids, k=self.k)  # (b, l, k, r)
-            if self.self_neighbours > 0:
-                lesson = lesson_chunks(ids, self.self_neighbours, self.seed)         # (b, l)
-                nbrs[lesson, 0] = self.neighbours.own_tokens(ids[lesson])
+            if self.lessons.any:
+                nbrs = apply_lessons(nbrs, ids, self.lessons, self.seed, self.neighbours)
             out["neighbours"] = nbrs
         return out
-
-
-def lesson_chunks(chunk_ids: np.ndarray, share: float, seed: int) -> np.ndarray:
-    """(...) bool: about `share` of chunk_ids, drawn by a hash of (seed, chunk id) so resuming repeats it."""
-    x = np.asarray(chunk_ids, dtype=np.int64).astype(np.uint64) + np.uint64(seed * 0x9E3779B97F4A7C15 % 2**64)
-    # splitmix64's finaliser: neighbouring ids get unrelated draws.
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    x = x ^ (x >> np.uint64(31))
-    return (x >> np.uint64(11)).astype(np.float64) / 2.0**53 < share
 
 
 @functools.lru_cache(maxsize=4)

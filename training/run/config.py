@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from retropipe.data.config import require
+from retropipe.training.run.lessons import Lessons
 
 
 @dataclass
@@ -67,6 +68,12 @@ class TrainConfig:
     # (RETRO only; never at evaluation): lessons in copying for text that offers few near-
     # duplicates, so the CCA learns to read a neighbour that holds the text (docs/results.md).
     self_neighbours: float = 0.0
+    # Shares of training chunks whose first neighbour is the chunk itself diverging, from a random
+    # token of its continuation on, into another document's text; and another document's chunk
+    # (RETRO only): lessons in not copying what stops matching, or never matched
+    # (training/run/lessons.py). The three shares add up to at most 1.
+    diverging_neighbours: float = 0.0
+    distractor_neighbours: float = 0.0
     # Start from this GPT-2 checkpoint (ours or a Hugging Face directory); with
     # model.freeze_trunk it is a RETRO-fit: only chunked cross-attention and encoder train.
     init_from: str = ""
@@ -98,7 +105,11 @@ class TrainConfig:
         require(self.precision in ("auto", "bf16", "fp16", "fp32"), "train.precision",
                 f"must be 'auto', 'bf16', 'fp16' or 'fp32', got {self.precision!r}")
         require(0 < self.lr and 0 <= self.min_lr <= self.lr, "train.min_lr", "need 0 <= min_lr <= lr, lr > 0")
-        require(0.0 <= self.self_neighbours <= 1.0, "train.self_neighbours", f"must lie in [0, 1], got {self.self_neighbours}")
+        for key in ("self_neighbours", "diverging_neighbours", "distractor_neighbours"):
+            require(0.0 <= getattr(self, key) <= 1.0, f"train.{key}", f"must lie in [0, 1], got {getattr(self, key)}")
+        require(self.self_neighbours + self.diverging_neighbours + self.distractor_neighbours <= 1.0,
+                "train.distractor_neighbours", "train.self_neighbours, diverging_neighbours and distractor_neighbours "
+                "add up to more than 1")
         require(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
         require(self.eval_every >= 0 and self.eval_batches >= 1, "train.eval_every", "eval_every >= 0, eval_batches >= 1")
         require(self.activation_checkpoint_interval >= 0, "train.activation_checkpoint_interval", "must be >= 0")
@@ -108,6 +119,11 @@ class TrainConfig:
                 f"must be 0 (auto) or at least 10 seconds, got {self.dist_timeout}")
         require(isinstance(self.deepspeed, dict), "train.deepspeed",
                 f"must be a mapping of DeepSpeed config keys, got {self.deepspeed!r}")
+
+    @property
+    def lessons(self) -> Lessons:
+        """The lessons' shares (training/run/lessons.py)."""
+        return Lessons(self.self_neighbours, self.diverging_neighbours, self.distractor_neighbours)
 
     def resolved_dist_timeout(self, device: str) -> float:
         """dist_timeout in seconds on this device ("cuda" or "cpu")."""

@@ -74,7 +74,7 @@ class Trainer:
         # Only the first stage reads neighbours; the last stage needs just the labels.
         nbrs = neighbours if (self.retro and pipe.first) else None
         k = self.t.neighbours
-        self.train_data = SequenceBatches(store, "train", self.t.seq_len, nbrs, k, self.t.self_neighbours, self.t.seed)
+        self.train_data = SequenceBatches(store, "train", self.t.seq_len, nbrs, k, self.t.lessons, self.t.seed)
         self.val_data = SequenceBatches(store, "validation", self.t.seq_len, nbrs, k)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.tokens_per_step = self.t.seq_len * self.t.micro_batch_size * self.t.micro_batches * pipe.dp_world
