@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 import numpy as np  # noqa: E402
 
 from retropipe.retrieval.embed import Embeddings  # noqa: E402
-from retropipe.retrieval.files import save_npy  # noqa: E402
+from retropipe.data.stage import save_npy  # noqa: E402
 from retropipe.retrieval.index import build_index, load_index, recall_at_k, search, set_search_params  # noqa: E402
 
 

@@ -32,7 +32,7 @@ from retropipe.data.prepare import prepare  # noqa: E402
 from retropipe.data.store import ChunkStore  # noqa: E402
 from retropipe.retrieval.config import RetrievalConfig  # noqa: E402
 from retropipe.retrieval.embed import Embeddings, embed_store  # noqa: E402
-from retropipe.retrieval.files import read_json  # noqa: E402
+from retropipe.data.stage import read_json  # noqa: E402
 from retropipe.retrieval.index import build_index, load_index  # noqa: E402
 from retropipe.retrieval.neighbours import query_neighbours  # noqa: E402
 

@@ -71,8 +71,6 @@ def retro_pytorch_class():
 
 def build(model: str, shape: str):
     """(module, step function computing the loss from (tokens (b, n+1), neighbours (b, l, k, r)))."""
-    import torch
-
     layers, width, heads, enc_width, enc_heads, cca, _ = SHAPES[shape]
     if model.startswith("retropipe"):
         from retropipe.training.models.build import build_model

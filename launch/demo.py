@@ -9,7 +9,7 @@ RETRO on/off/shuffled, leakage, the database-size curve) → generate a sample f
 
 The second edition stands for what a real retrieval database holds and a training split does
 not: other versions of the evaluated text. Every document of the corpus reappears there with 15%
-of its sentences dropped (bench/twin_corpus.py --edited-only), the held-out ones too, so RETRO can
+of its sentences dropped (bench/corpora/twin_corpus.py --edited-only), the held-out ones too, so RETRO can
 read a validation document's neighbours where the baseline can only guess. The report says how
 much of the gain that is (α buckets, RETRO §2.6) and shows it grow with the database (the curve:
 the training split alone, + half the edition, + all of it). The sample prompt is the opening of a
@@ -106,7 +106,7 @@ def stages(config: str, corpus: str, overrides: list[str], nproc: int, workdir: 
 
     edition = edition_path(workdir)
     return [
-        ("write a second edition of the corpus", [py, "bench/twin_corpus.py", "--corpus", corpus, "--edited-only",
+        ("write a second edition of the corpus", [py, "bench/corpora/twin_corpus.py", "--corpus", corpus, "--edited-only",
                                                   "--seed", str(EDITION_SEED), "--out", str(edition)]),
         ("prepare data", [py, "launch/prepare_data.py", "--config", config, *sets]),
         ("build the retrieval database", [py, "launch/build_index.py", "--config", config, *sets]),

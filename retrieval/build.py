@@ -21,7 +21,7 @@ from retropipe.data.store import ChunkStore
 from retropipe.retrieval.config import RetrievalConfig
 from retropipe.retrieval.database import DatabaseVectors, prepare_corpora, write_database
 from retropipe.retrieval.embed import (Embeddings, EmbedRunner, embed_store, model_identity, resolve_model_path,
-                                       serial_embed_runner)
+                                       runner_precision, serial_embed_runner)
 from retropipe.retrieval.index import build_index, faiss_module, load_index, make_index, recall_check
 from retropipe.retrieval.neighbours import MANIFEST_VERSION, query_neighbours
 
@@ -88,6 +88,7 @@ def build_retrieval(cfg: RetrievalConfig, store: ChunkStore, out_dir: str | Path
     parts = prepare_corpora(cfg.corpora, data_cfg or DataConfig(), store, out, executor, progress)
     check_inputs(cfg, store, database_chunks=sum(len(p.store.split("train")) for p in parts))
 
+    precision = runner_precision(embed_runner, cfg.embed_precision)  # once, for every part
     embedded = []
     for part in parts:
         splits = ("train", "validation") if part.name == "train" else ("train",)
@@ -95,7 +96,7 @@ def build_retrieval(cfg: RetrievalConfig, store: ChunkStore, out_dir: str | Path
         bar, update = _bar(f"embed {part.name}", total, progress)
         with bar:
             manifest = embed_store(part.store, part.embeddings_dir, cfg.embedder, cfg.embed_batch_size,
-                                   embed_runner, progress=update)
+                                   embed_runner, progress=update, precision=precision)
         embedded.append(manifest)
     emb_manifest = embedded[0]
     query_emb = Embeddings(parts[0].embeddings_dir, emb_manifest)
@@ -132,7 +133,7 @@ def summary(result: dict) -> str:
     """A one-screen summary: what ran, how fast, the database's parts, recall, neighbour quality."""
     emb, idx, nbr, db = result["embeddings"], result["index"], result["neighbours"], result["database"]
     done = lambda m: "skipped (complete)" if m.get("skipped") else "built"  # noqa: E731
-    lines = [f"embeddings  {done(emb)}: {emb['model']} dim {emb['dim']} "
+    lines = [f"embeddings  {done(emb)}: {emb['model']} dim {emb['dim']} {emb.get('precision', 'fp32')} "
              f"({sum(emb['shard_chunks']['train'])} train + {sum(emb['shard_chunks']['validation'])} validation chunks)"]
     if not emb.get("skipped") and emb.get("run"):
         lines[-1] += f"; {emb['run']['chunks_per_second']:.1f} chunks/s"

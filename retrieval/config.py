@@ -28,6 +28,11 @@ class RetrievalConfig:
     embed_actors: int = 1
     # Where the embedder runs: "auto" (a GPU per actor when the cluster has one), "cpu" or "cuda".
     embed_device: str = "auto"
+    # The embedder's weights and math: "auto" = bf16 on CPUs with AVX512-BF16 or AMX (2-3× faster,
+    # the same neighbours to ≥ 98%: docs/benchmarks.md), fp16 on GPUs, else fp32; or "fp32", "bf16",
+    # "fp16" (GPU only). Resolved once for a build and recorded in its embeddings' manifest; queries
+    # are embedded as their database was.
+    embed_precision: str = "auto"
     # FAISS index factory string: "Flat" (exact) or e.g. "IVF1024,PQ32", "OPQ32,IVF4096_HNSW32,PQ32".
     index: str = "Flat"
     # Vectors sampled (seeded) to train a trainable index; 0 = all.
@@ -59,6 +64,8 @@ class RetrievalConfig:
         require(self.embed_actors >= 1, "retrieval.embed_actors", "must be >= 1")
         require(self.embed_device in ("auto", "cpu", "cuda"), "retrieval.embed_device",
                 f"must be 'auto', 'cpu' or 'cuda', got {self.embed_device!r}")
+        require(self.embed_precision in ("auto", "fp32", "bf16", "fp16"), "retrieval.embed_precision",
+                f"must be 'auto', 'fp32', 'bf16' or 'fp16', got {self.embed_precision!r}")
         require(bool(self.index), "retrieval.index", "must be a FAISS factory string, e.g. 'Flat'")
         require(self.k >= 1, "retrieval.k", f"must be >= 1, got {self.k}")
         require(self.candidates >= self.k, "retrieval.candidates",

@@ -28,7 +28,7 @@ from retropipe.data.stage import fingerprint, load_npy, open_stage, save_npy, sh
 from retropipe.data.store import ChunkStore
 # The model behind retrieval.embedder (re-exported: retrieval.embed is where callers find them).
 from retropipe.retrieval.embedder import (DEFAULT_MODEL_NAME, cached_embedder, embedding_dim, hub_name,  # noqa: F401
-                                          load_embedder, model_identity, resolve_model_path)
+                                          load_embedder, model_identity, resolve_embed_precision, resolve_model_path)
 
 MANIFEST_VERSION = 1
 
@@ -89,6 +89,15 @@ class EmbedSpec:
     sub_batch: int = SUB_BATCH
     # The hub id when retrieval.embedder is one: a node without model_path fetches it by commit.
     hub_name: str | None = None
+    # The embedder's precision, resolved once for the whole build (retrieval.embed_precision).
+    precision: str = "fp32"
+
+
+def runner_precision(runner, precision: str) -> str:
+    """retrieval.embed_precision on the device `runner` embeds on: a runner that knows its device
+    says so (`resolve_precision`); one that does not embeds on this process's CPU."""
+    resolve = getattr(runner, "resolve_precision", None)
+    return resolve(precision) if resolve else resolve_embed_precision(precision, "cpu")
 
 
 def embed_job(model, store: ChunkStore, encoding, job: EmbedJob, sub_batch: int = SUB_BATCH) -> np.ndarray:
@@ -109,7 +118,7 @@ def serial_embed_runner(spec: EmbedSpec, jobs: list[EmbedJob]) -> Iterator[tuple
 
     if not jobs:
         return
-    model = cached_embedder(spec.model_path)
+    model = cached_embedder(spec.model_path, "cpu", spec.precision)
     store, encoding = ChunkStore(spec.data_dir), get_tokenizer(spec.tokenizer)
     for job in jobs:
         yield job, embed_job(model, store, encoding, job, spec.sub_batch)
@@ -127,11 +136,14 @@ def shard_file(name: str) -> str:
 
 
 def embed_store(store: ChunkStore, out_dir: Path, embedder: str, batch_size: int, runner: EmbedRunner,
-                progress: Callable[[int], None] | None = None) -> dict:
-    """Embed every chunk of every split into out_dir (resumable); return the manifest."""
+                progress: Callable[[int], None] | None = None, precision: str = "fp32") -> dict:
+    """Embed every chunk of every split into out_dir (resumable) with the embedder's weights in
+    `precision` (resolved: fp32, bf16 or fp16); return the manifest."""
     model_path = resolve_model_path(embedder)
     identity = model_identity(model_path, embedder)
-    inputs = {"version": MANIFEST_VERSION, "chunk_store_fingerprint": store.fingerprint, "model": identity}
+    # fp32, the only precision before there was a choice, is left out: such a build stays complete.
+    inputs = {"version": MANIFEST_VERSION, "chunk_store_fingerprint": store.fingerprint, "model": identity,
+              **({"precision": precision} if precision != "fp32" else {})}
     manifest = open_stage(out_dir, inputs)
     if manifest is not None:
         return {**manifest, "skipped": True}
@@ -150,7 +162,7 @@ def embed_store(store: ChunkStore, out_dir: Path, embedder: str, batch_size: int
         if count == 0:
             parts.pop(key)
     spec = EmbedSpec(str(Path(store.root).resolve()), str(Path(model_path).resolve()), store.manifest["tokenizer"],
-                     hub_name=hub_name(embedder))
+                     hub_name=hub_name(embedder), precision=precision)
     embedded = 0
     for job, vectors in runner(spec, jobs):
         key = (job.split, job.shard)
@@ -164,21 +176,30 @@ def embed_store(store: ChunkStore, out_dir: Path, embedder: str, batch_size: int
             save_npy(out_dir / job.split / shard_file(names[job.split][job.shard]), rows)
     if parts:
         raise RetrievalError(f"embedding runner returned no result for shards {sorted(parts)}")
-    if dim is None:  # nothing was embedded in this run: read the dimension from a finished shard
-        dim = next((load_npy(out_dir / s / shard_file(n), rerun=f"run {BUILD_DATABASE}").shape[1] for s in SPLITS for n in names[s]
-                    if (out_dir / s / shard_file(n)).exists() and load_npy(out_dir / s / shard_file(n), rerun=f"run {BUILD_DATABASE}").shape[0]),
-                   None)
-    for split, i in [(s, i) for s in SPLITS for i in range(len(names[s]))]:
-        path = out_dir / split / shard_file(names[split][i])
-        if not path.exists():  # an empty shard: no jobs, written here with the right width
-            save_npy(path, np.zeros((0, dim or 0), np.float16))
-    manifest = _finalize(store, out_dir, inputs, names, model_path, identity)
+    _write_empty_shards(out_dir, names, dim)
+    manifest = _finalize(store, out_dir, inputs, names, model_path, identity, precision)
     manifest["run"] = {"seconds": round(time.perf_counter() - begin, 2), "chunks_embedded": embedded,
                        "chunks_per_second": round(embedded / max(time.perf_counter() - begin, 1e-9), 1)}
     return manifest
 
 
-def _finalize(store: ChunkStore, out_dir: Path, inputs: dict, names: dict, model_path: Path, identity: dict) -> dict:
+def _write_empty_shards(out_dir: Path, names: dict, dim: int | None) -> None:
+    """Shards without chunks (a block with no validation document) written with the width of the
+    others (read from a finished shard when this run embedded nothing)."""
+    def shard(split, name):
+        return out_dir / split / shard_file(name)
+
+    if dim is None:
+        dim = next((load_npy(shard(s, n), rerun=f"run {BUILD_DATABASE}").shape[1] for s in SPLITS for n in names[s]
+                    if shard(s, n).exists() and load_npy(shard(s, n), rerun=f"run {BUILD_DATABASE}").shape[0]), None)
+    for split in SPLITS:
+        for name in names[split]:
+            if not shard(split, name).exists():
+                save_npy(shard(split, name), np.zeros((0, dim or 0), np.float16))
+
+
+def _finalize(store: ChunkStore, out_dir: Path, inputs: dict, names: dict, model_path: Path, identity: dict,
+              precision: str) -> dict:
     shas, dims = {}, set()
     for split in SPLITS:
         shas[split] = []
@@ -197,6 +218,7 @@ def _finalize(store: ChunkStore, out_dir: Path, inputs: dict, names: dict, model
     manifest = {
         "version": MANIFEST_VERSION, "inputs": inputs,
         "model": identity["name"], "model_path": str(model_path), "model_sha256": identity["sha256"],
+        "precision": precision,
         "dim": dims.pop() if dims else 0, "dtype": "float16", "normalized": True,
         "chunk_store_fingerprint": store.fingerprint,
         "shards": {s: [shard_file(n) for n in names[s]] for s in SPLITS},

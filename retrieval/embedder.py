@@ -119,8 +119,24 @@ def local_model_path(model_path: str, hub: str | None) -> Path:
     return _from_hub(hub, revision=path.name)
 
 
-def load_embedder(path: Path, device: str = "cpu", threads: int | None = None):
-    """A SentenceTransformer from a local directory, in eval mode.
+PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def resolve_embed_precision(precision: str, device: str) -> str:
+    """retrieval.embed_precision on `device`: "auto" is bf16 on a CPU with bf16 matmuls, fp16 on a
+    GPU, fp32 elsewhere; fp16 asked for on a CPU is fp32 (CPU kernels have no fast fp16)."""
+    from retropipe.data.cpu import cpu_has_bf16
+
+    if precision == "auto":
+        return "fp16" if str(device).startswith("cuda") else ("bf16" if cpu_has_bf16() else "fp32")
+    if precision == "fp16" and not str(device).startswith("cuda"):
+        return "fp32"
+    return precision
+
+
+def load_embedder(path: Path, device: str = "cpu", threads: int | None = None, precision: str = "fp32"):
+    """A SentenceTransformer from a local directory, in eval mode, its weights in `precision`
+    (fp32, bf16 or fp16: the whole forward then runs in it; embed() normalises in fp32).
 
     local_files_only: the directory is complete (bundled, a user's, or a resolved hub snapshot), so
     nothing may touch the network, whatever HF_HUB_OFFLINE says (no hang on a network timeout).
@@ -144,13 +160,13 @@ def load_embedder(path: Path, device: str = "cpu", threads: int | None = None):
     finally:
         if bar:
             hf_logging.enable_progress_bar()
-    return model.eval()
+    return model.to(getattr(torch, PRECISIONS[precision])).eval()
 
 
-@functools.lru_cache(maxsize=2)
-def cached_embedder(path: str, device: str = "cpu"):
+@functools.lru_cache(maxsize=4)
+def cached_embedder(path: str, device: str = "cpu", precision: str = "fp32"):
     """One model per process for in-process use (the driver's dimension check, the serial runner)."""
-    return load_embedder(Path(path), device=device)
+    return load_embedder(Path(path), device=device, precision=precision)
 
 
 def embedding_dim(model) -> int:

@@ -34,7 +34,8 @@ from retropipe.data.reading import Reading
 from retropipe.data.stage import fingerprint, path_tag, read_json
 from retropipe.data.store import ChunkStore
 from retropipe.retrieval.config import RetrievalConfig
-from retropipe.retrieval.embed import Embeddings, cached_embedder, embed_job, embed_store, serial_embed_runner
+from retropipe.retrieval.embed import (Embeddings, cached_embedder, embed_job, embed_store, resolve_embed_precision,
+                                       serial_embed_runner)
 from retropipe.retrieval.neighbours import query_neighbours
 from retropipe.retrieval.query import Retriever
 
@@ -76,7 +77,7 @@ def embed_runner_on(device: str):
 
         if not jobs:
             return
-        model = cached_embedder(spec.model_path, device)
+        model = cached_embedder(spec.model_path, device, resolve_embed_precision(spec.precision, device))
         store, encoding = ChunkStore(spec.data_dir), get_tokenizer(spec.tokenizer)
         for job in jobs:
             yield job, embed_job(model, store, encoding, job, spec.sub_batch)
@@ -89,10 +90,12 @@ def split_neighbours(retriever: Retriever, store: ChunkStore, split: str, out_di
     """Neighbours of every chunk of store's split in the retriever's database (cached in out_dir);
     new query embeddings are computed on `device`."""
     out_dir = Path(out_dir)
-    if query_emb is None or query_emb.manifest.get("model_sha256") != retriever.embedder_identity["sha256"]:
+    if (query_emb is None or query_emb.manifest.get("model_sha256") != retriever.embedder_identity["sha256"]
+            or query_emb.manifest.get("precision", "fp32") != retriever.precision):
         emb_dir = out_dir.parent / "embeddings"
         emb_dir.mkdir(parents=True, exist_ok=True)
-        manifest = embed_store(store, emb_dir, cfg.embedder, cfg.embed_batch_size, embed_runner_on(device))
+        manifest = embed_store(store, emb_dir, cfg.embedder, cfg.embed_batch_size, embed_runner_on(device),
+                               precision=retriever.precision)  # as the database was embedded
         query_emb = Embeddings(emb_dir, manifest)
     if query_emb.manifest.get("chunk_store_fingerprint") != store.fingerprint:
         raise DataError(f"{query_emb.dir}: embeddings of another chunk store than {store.root}")

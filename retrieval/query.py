@@ -31,7 +31,8 @@ from retropipe.data.reading import Reading
 from retropipe.data.stage import read_json
 from retropipe.retrieval.config import RetrievalConfig
 from retropipe.retrieval.database import open_vectors
-from retropipe.retrieval.embed import cached_embedder, chunk_texts, embed, model_identity, resolve_model_path
+from retropipe.retrieval.embed import (cached_embedder, chunk_texts, embed, model_identity, resolve_embed_precision,
+                                       resolve_model_path)
 from retropipe.retrieval.index import load_index
 from retropipe.retrieval.neighbours import find_neighbours
 
@@ -105,13 +106,16 @@ class Retriever:
             raise RetrievalError(f"config key 'retrieval.embedder': {model_path} is not the model the database at "
                                  f"{root} was embedded with ({self.database.manifest['embedder']['name']})")
         self.model_path, self.device = model_path, device
+        # Queries are embedded as the database was (its embeddings' manifest says how).
+        self.precision = self.vectors.parts[0][1].manifest.get("precision", "fp32")
         self._model = None
 
     @property
     def model(self):
         """The embedder, loaded on first use (a query whose vectors are known needs none)."""
         if self._model is None:
-            self._model = cached_embedder(str(self.model_path), self.device)
+            self._model = cached_embedder(str(self.model_path), self.device,
+                                          resolve_embed_precision(self.precision, self.device))
         return self._model
 
     def index_for(self, allowed: np.ndarray | None = None):

@@ -36,7 +36,8 @@ class EmbedChunks:
         from retropipe.retrieval.embedder import load_embedder, local_model_path
 
         self.spec = spec
-        self.model = load_embedder(local_model_path(spec.model_path, spec.hub_name), device=device, threads=threads)
+        self.model = load_embedder(local_model_path(spec.model_path, spec.hub_name), device=device, threads=threads,
+                                   precision=spec.precision)
         self.store, self.encoding = ChunkStore(spec.data_dir), get_tokenizer(spec.tokenizer)
         self.node = ray.get_runtime_context().get_node_id()
         self.jobs_done = 0
@@ -108,6 +109,13 @@ class RayEmbedRunner:
             cpus = node_cpus(ray)
             self._threads = max(1, min(sum(cpus) // self.actors, max(cpus, default=1)))
         return "cpu", {"num_cpus": self._threads}, self._threads
+
+    def resolve_precision(self, precision: str) -> str:
+        """retrieval.embed_precision on the device this runner's actors embed on."""
+        from retropipe.retrieval.embedder import resolve_embed_precision
+
+        device, _, _ = self.resources(self.executor.ensure_started())
+        return resolve_embed_precision(precision, device)
 
     def pool_size(self, ray, device: str, threads: int) -> int:
         """Actors to start: no more than the nodes alive now can hold (one GPU each, or `threads`

@@ -1,4 +1,4 @@
-"""bench/twin_corpus.py: the twin documents behind the RETRO[ON] vs RETRO[OFF] goal (docs/results.md)."""
+"""bench/corpora/twin_corpus.py: the twin documents behind the RETRO[ON] vs RETRO[OFF] goal (docs/results.md)."""
 
 import json
 import random
@@ -6,7 +6,7 @@ import sys
 
 from tests.distributed import ROOT
 
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "bench" / "corpora"))
 from twin_corpus import edited, main  # noqa: E402
 
 TEXT = "Booting needs a loader.\nIt runs first.  It sets up RAM.\n\nThen it calls\nthe kernel. Done!\n"

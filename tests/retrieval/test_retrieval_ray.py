@@ -104,7 +104,7 @@ import json, os, signal, sys
 from pathlib import Path
 from retropipe.data.store import ChunkStore
 from retropipe.launch.ray_utils import RayExecutor
-from retropipe.retrieval.embed import embed_store
+from retropipe.retrieval.embed import embed_store, runner_precision
 from retropipe.retrieval.ray_embed import EmbedChunks, RayEmbedRunner
 
 address, data_dir, out, marker = sys.argv[1:5]
@@ -118,7 +118,8 @@ class KillsItselfOnce(EmbedChunks):
 
 executor = RayExecutor(address=address)
 try:
-    manifest = embed_store(ChunkStore(data_dir), Path(out), "", 8, RayEmbedRunner(executor, actors=1, udf=KillsItselfOnce))
+    runner = RayEmbedRunner(executor, actors=1, udf=KillsItselfOnce)
+    manifest = embed_store(ChunkStore(data_dir), Path(out), "", 8, runner, precision=runner_precision(runner, "auto"))
 finally:
     executor.close()
 print("MANIFEST " + json.dumps(manifest["shards"]))

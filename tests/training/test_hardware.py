@@ -6,17 +6,16 @@ the tied embedding's rounding."""
 import pytest
 import torch
 
+import retropipe.data.cpu as cpu
 import retropipe.training.run.hardware as hw
 from retropipe.training.models.layers import seeded
 from retropipe.training.run.trainer import rounding_tolerance
 
 
 def test_precision_auto_takes_bf16_only_where_the_kernels_may_use_it(monkeypatch):
-    import retropipe.training.run.hardware as hw
-
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
-    monkeypatch.setattr(hw, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f", "avx512_bf16"}))
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f", "avx512_bf16"}))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert hw.resolve_precision("auto") == "bf16"
     # oneDNN (torch's CPU matmuls) held to AVX2 on the same CPU emulates bf16 (15-35× slower): fp32.
@@ -29,7 +28,7 @@ def test_precision_auto_takes_bf16_only_where_the_kernels_may_use_it(monkeypatch
     assert hw.resolve_precision("auto") == "bf16"
     assert "ATEN_CPU_CAPABILITY=avx2" in hw.describe()
     monkeypatch.delenv("ATEN_CPU_CAPABILITY")
-    monkeypatch.setattr(hw, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
     assert hw.resolve_precision("auto") == "fp32" and hw.resolve_precision("bf16") == "bf16"
 
 

@@ -1,5 +1,6 @@
-"""What this machine computes with: CPU vector features, GPUs, the precision `auto` stands for, the
-matmul peak that MFU is measured against, and the thread settings of a CPU pipeline stage.
+"""What this machine computes with: GPUs, the precision `auto` stands for (CPU features:
+retropipe.data.cpu), the matmul peak that MFU is measured against, and the thread settings of a
+CPU pipeline stage.
 
 Every benchmark prints `describe()` so that a figure always names its machine: on a CPU the
 fp32/bf16 choice hinges on AVX512-BF16 / AMX (bf16 is ~2.6× faster than fp32 with them, several
@@ -8,36 +9,10 @@ times slower without).
 
 from __future__ import annotations
 
-import functools
 import os
-import platform
 import time
 
-CPU_FLAGS = {"avx2": "AVX2", "fma": "FMA", "avx512f": "AVX-512", "avx512_bf16": "AVX512-BF16", "amx_bf16": "AMX-BF16"}
-
-
-@functools.lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def cpu_has_bf16() -> bool:
-    """The CPU has bf16 instructions and oneDNN, which runs torch's CPU matmuls, may use them.
-
-    oneDNN held below AVX512-BF16 (ONEDNN_MAX_CPU_ISA=AVX2: how one runs an AVX2-only CPU's code
-    paths on this one) emulates bf16 matmuls, 15-35× slower than fp32 (docs/benchmarks.md).
-    """
-    held = {os.environ.get(k, "").upper() for k in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")}
-    below_bf16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags()) and not (held & below_bf16)
-
+from retropipe.data.cpu import CPU_FLAGS, cpu_flags, cpu_has_bf16, cpu_model
 
 def gpu_has_bf16(capability: tuple[int, int]) -> bool:
     """bf16 matmuls in hardware: compute capability 8.0 (Ampere) and newer. Older GPUs emulate
@@ -82,17 +57,6 @@ def too_few_gpus(local: int, gpus: int) -> str | None:
     return (f"this node starts {local} processes but has {gpus} GPU(s): each process needs its own GPU; "
             f"start at most {gpus} per node (deepspeed --num_gpus {gpus}, with train.pipeline_stages dividing the "
             f"world size), or run on the CPU: CUDA_VISIBLE_DEVICES= deepspeed --num_gpus {local} ...")
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def describe() -> str:

@@ -1,7 +1,7 @@
 """Write a corpus of twin documents: every document of a corpus twice, the second an edited copy.
 
-    python bench/twin_corpus.py [--corpus corpus/jargon_devil.jsonl.gz] [--drop 0.15] --out /tmp/twins.jsonl
-    python bench/twin_corpus.py --corpus long.jsonl --min-chars 3000 --max-chars 12000 --max-documents 500 ...
+    python bench/corpora/twin_corpus.py [--corpus corpus/jargon_devil.jsonl.gz] [--drop 0.15] --out /tmp/twins.jsonl
+    python bench/corpora/twin_corpus.py --corpus long.jsonl --min-chars 3000 --max-chars 12000 --max-documents 500 ...
 
 The twin of a document drops a seeded random `--drop` share of its sentences (at least one when
 it has two or more), so it is never an exact copy (those the retrieval database keeps out of a
@@ -26,7 +26,7 @@ import re
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 SENTENCE = re.compile(r"(?<=[.!?])\s+")
 SENTENCE_KEEP = re.compile(r"(?<=[.!?])(\s+)")  # the same split, keeping each separator

@@ -1,7 +1,7 @@
 """Write a corpus of real documents in several real released versions: the source and documentation
 files of a few Python libraries, each library in two or three releases from the package index.
 
-    python bench/versions_corpus.py --out runs/versions/versions.jsonl [--packages SPEC] [--cache DIR]
+    python bench/corpora/versions_corpus.py --out runs/versions/versions.jsonl [--packages SPEC] [--cache DIR]
 
 SPEC: "name==v1,v2,v3;name==..." (default below). Every release is fetched as its source
 distribution (`pip download --no-binary :all: --no-deps`, so this script needs the package index;

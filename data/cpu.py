@@ -1,0 +1,48 @@
+"""What this CPU computes fast: its feature flags, and whether bf16 matmuls run in hardware.
+
+Shared by training (train.precision "auto", training/run/hardware.py) and the retrieval build
+(retrieval.embed_precision "auto"): with AVX512-BF16 or AMX, bf16 matmuls are 2-3× faster than
+fp32; without them oneDNN emulates bf16, several times slower. Reads /proc/cpuinfo (Linux).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+
+CPU_FLAGS = {"avx2": "AVX2", "fma": "FMA", "avx512f": "AVX-512", "avx512_bf16": "AVX512-BF16", "amx_bf16": "AMX-BF16"}
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_has_bf16() -> bool:
+    """The CPU has bf16 instructions and oneDNN, which runs torch's CPU matmuls, may use them.
+
+    oneDNN held below AVX512-BF16 (ONEDNN_MAX_CPU_ISA=AVX2: how one runs an AVX2-only CPU's code
+    paths on this one) emulates bf16 matmuls, 15-35× slower than fp32 (docs/benchmarks.md).
+    """
+    held = {os.environ.get(k, "").upper() for k in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")}
+    below_bf16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags()) and not (held & below_bf16)
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
