@@ -41,8 +41,9 @@ def test_default_cca_layers():
     assert ModelConfig(kind="retro", n_layer=24, n_head=16, n_embd=1024).cca_layers() == [9, 12, 15, 18, 21, 24]
 
 
-def test_neighbours_of_chunk_u_reach_only_positions_from_its_last_token_on():
-    net = model()
+@pytest.mark.parametrize("gate", [False, True])
+def test_neighbours_of_chunk_u_reach_only_positions_from_its_last_token_on(gate):
+    net = model(tiny(copy_gate=gate))
     tokens, neighbours = inputs()
     logits = net(tokens, neighbours)
     assert logits.shape == (2, 4 * M, 101) and torch.isfinite(logits).all()
@@ -55,8 +56,9 @@ def test_neighbours_of_chunk_u_reach_only_positions_from_its_last_token_on():
         assert (after[:, first] - logits[:, first]).abs().max() > 1e-5
 
 
-def test_changing_token_t_changes_no_earlier_logit():
-    net = model()
+@pytest.mark.parametrize("gate", [False, True])
+def test_changing_token_t_changes_no_earlier_logit(gate):
+    net = model(tiny(copy_gate=gate))
     tokens, neighbours = inputs()
     logits = net(tokens, neighbours)
     t = 6
@@ -66,8 +68,9 @@ def test_changing_token_t_changes_no_earlier_logit():
     torch.testing.assert_close(after[:, :t], logits[:, :t], rtol=0, atol=1e-6)
 
 
-def test_masked_neighbours_give_exactly_the_trunk():
-    net = model()
+@pytest.mark.parametrize("gate", [False, True])
+def test_masked_neighbours_give_exactly_the_trunk(gate):
+    net = model(tiny(copy_gate=gate))
     gpt2 = GPT2(dataclasses.replace(net.cfg, kind="gpt2")).eval()
     gpt2.load_state_dict({k: v for k, v in net.state_dict().items() if not is_retrieval_parameter(k)})
     tokens, neighbours = inputs()
@@ -116,7 +119,7 @@ def test_layer_tuples_follow_the_pipeline_contract():
         kinds.append("".join("f" if t.is_floating_point() else "i" for t in items))
         assert all(t.dtype == torch.int64 for t in items if not t.is_floating_point())
     # wte (tokens and neighbours), wpe, block0, block1 (first CCA), block2, block3 (last CCA), block4, ln_f, head
-    assert kinds == ["fif", "fif", "fif", "fif", "fif", "f", "f", "f", "f"]
+    assert kinds == ["fifi", "fifi", "fifi", "fifi", "fifi", "f", "f", "f", "f"]
 
 
 def test_sequence_not_a_multiple_of_chunk_len_is_rejected():
@@ -220,11 +223,12 @@ def decoded_logits(net, tokens, neighbours, steps):
     return torch.stack(out, 1)
 
 
+@pytest.mark.parametrize("gate", [False, True])
 @pytest.mark.parametrize("prefix", [1, M - 1, M, 2 * M + 1])
-def test_decode_with_the_cache_gives_the_forward_logits(prefix):
+def test_decode_with_the_cache_gives_the_forward_logits(prefix, gate):
     """A prompt fed at once, then one token at a time, and pieces spanning chunk boundaries: every
     position's logits equal forward's, with neighbours (some missing) and without (RETRO[OFF])."""
-    net = model()
+    net = model(tiny(copy_gate=gate))
     with torch.no_grad():
         for block in net.blocks:           # the relative-position bias starts at zero: make it matter
             if hasattr(block, "cca"):
@@ -254,3 +258,24 @@ def test_decode_past_n_positions_is_rejected():
     net.decode(torch.zeros(1, 2 * M, dtype=torch.int64), None, cache)
     with pytest.raises(ValueError, match="n_positions"):
         net.decode(torch.zeros(1, 1, dtype=torch.int64), None, cache)
+
+
+def test_the_copy_gate_marks_where_a_neighbour_matches_the_text_just_read():
+    """The bonus sits on neighbour token j when token j - 1 is the query's current token (so j may
+    be the next one), never on padding; the null slot adds nothing, so a chunk whose neighbour
+    never matches can read (almost) nothing from it."""
+    from retropipe.training.models.cca import MATCH_INIT, ChunkedCrossAttention
+
+    cca = ChunkedCrossAttention(tiny(copy_gate=True))
+    neighbours = torch.tensor([[[5, 6, 7, 8, 9, -1, -1, -1]]])                 # (B=1, k=1, r=8)
+    current = torch.tensor([[6, 9, -1, 3]])                                   # (B=1, t=4)
+    bonus = cca.match_logits(neighbours, current)[0, 0]                       # (t, k r), head 0
+    expected = torch.zeros(4, 8)
+    expected[0, 2] = expected[1, 5] = MATCH_INIT                              # after the 6; after the 9
+    torch.testing.assert_close(bonus, expected)
+    # Attention's null slot: with its logit far above the rest, the output is the projection's bias.
+    with torch.no_grad():
+        cca.null_bias.fill_(1e4)
+    q = torch.randn(1, 4, 32)
+    out = cca.attend(q, torch.randn(1, 1, 8, 16), neighbours, torch.arange(4), current)
+    torch.testing.assert_close(out, cca.attn.proj.bias.expand(1, 4, 32))

@@ -206,11 +206,12 @@ def test_a_stage_boundary_carries_retros_tuple_as_one_tensor_so_backward_runs_on
 
     plain, n_plain, g_plain = backward_runs(layer_specs(descs, 0)[:cut])
     packed, n_packed, g_packed = backward_runs(layer_specs(descs, 0, [0, cut, len(descs)], cfg)[:cut])
-    assert len(plain) == 3 and len(packed) == 2 and packed[0].shape == (2, 64 * 32 + 4 * 2 * 32 * 16)
+    assert len(plain) == 4 and len(packed) == 3 and packed[0].shape == (2, 64 * 32 + 4 * 2 * 32 * 16)
     assert (n_plain, n_packed) == (2, 1)
     torch.testing.assert_close(g_packed, g_plain)
-    h, ids, encoded = unpack_boundary(packed, n_embd=32, chunk_len=16)   # what the next stage sees
+    h, ids, encoded, tokens_ = unpack_boundary(packed, n_embd=32, chunk_len=16)   # what the next stage sees
     assert torch.equal(h, plain[0]) and torch.equal(ids, plain[1]) and torch.equal(encoded, plain[2])
+    assert torch.equal(tokens_, tokens)
     assert pack_boundary(h) is h                                          # a lone h passes as it is
     first_input = (tokens, nbrs)
     assert unpack_boundary(first_input, n_embd=32, chunk_len=16) is first_input       # a stage's input too

@@ -74,9 +74,11 @@ class DecodeCache:
 class DecodeStep:
     """What the blocks of one incremental forward share: where its T new positions start, the
     cache, and for RETRO the neighbours of the chunks begun so far (b, l, k, r) with the embedded
-    neighbours (b, l', k, r, d) of the chunks that the new positions complete (none: l' = 0)."""
+    neighbours (b, l', k, r, d) of the chunks that the new positions complete (none: l' = 0), and
+    the tokens fed (the copy gate reads them)."""
 
     start: int
     cache: DecodeCache
     neighbours: torch.Tensor | None = None
     completed: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None          # (b, T): the tokens fed at the new positions

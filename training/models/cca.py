@@ -39,6 +39,21 @@ def key_mask(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return valid | ~any_valid, any_valid
 
 
+def with_null_slot(k, v, mask, bias, key: torch.Tensor, logit: torch.Tensor):
+    """k, v (B, h, s, c) with a slot 0 of key `key` (h, c) and value zero prepended; mask and bias
+    (broadcastable to (B, h, t, s)) grown by that slot: always attendable, logit `logit` (h,)."""
+    B, heads, _, c = k.shape
+    k = torch.cat([key.to(k.dtype)[None, :, None].expand(B, heads, 1, c), k], dim=2)
+    v = torch.cat([v.new_zeros(B, heads, 1, c), v], dim=2)
+    if mask is not None:
+        mask = F.pad(mask, (1, 0), value=True)
+    lead = bias.shape[:-1] if bias is not None else (1, heads, 1)
+    slot = logit.view(1, heads, *([1] * (len(lead) - 2)), 1).expand(*lead, 1)
+    bias = torch.cat([slot.to(bias.dtype if bias is not None else logit.dtype), bias], dim=-1) if bias is not None \
+        else F.pad(slot, (0, k.shape[2] - 1))
+    return k, v, mask, bias
+
+
 class Attention(nn.Module):
     """Multi-head attention of queries x (B, t, d_q) over a context (B, s, d_kv) → (B, t, d_q)."""
 
@@ -50,12 +65,16 @@ class Attention(nn.Module):
         self.proj = nn.Linear(width, d_q)
         self.resid_drop = nn.Dropout(dropout)
 
-    def forward(self, x, context, q_pos, k_pos, mask=None, bias=None):
+    def forward(self, x, context, q_pos, k_pos, mask=None, bias=None, null=None):
         # mask: bool, broadcastable to (B, heads, t, s), True = attend; bias: float, broadcastable
-        # to the same, added to the attention logits (a relative-position term).
+        # to the same, added to the attention logits (a relative-position term). null: (key (heads,
+        # c), logit (heads,)) of a slot before the context whose value is zero: attending to it adds
+        # nothing (the copy gate's way to decline).
         q = rearrange(self.q(x), "B t (h c) -> B h t c", h=self.n_head)
         k, v = rearrange(self.kv(context), "B s (two h c) -> two B h s c", two=2, h=self.n_head)
         q, k = rotary(q, q_pos, self.rotary_base), rotary(k, k_pos, self.rotary_base)
+        if null is not None:
+            k, v, mask, bias = with_null_slot(k, v, mask, bias, *null)
         if bias is not None:
             bias = bias.to(q.dtype)
             mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
@@ -81,6 +100,12 @@ class ChunkedCrossAttention(nn.Module):
     That bias is what lets a query find the neighbour token aligned with the token it predicts
     (offset +1) within tens of steps; rotary alone needs hundreds (docs/models.md). All k·r tokens
     of the chunk's neighbours are attended to jointly; missing ones (id -1) are masked.
+
+    Copy gate (model.copy_gate): a neighbour is worth copying from where it keeps matching the text
+    read so far, and only there. Each query gets a logit bonus (per head) on every neighbour token
+    whose previous token is the query's own current token, and a null slot that adds nothing, so
+    it can decline: where a neighbour lines up and then diverges, or never belonged, the bonus is
+    missing at the aligned offset and the null slot can win (docs/results.md).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -92,22 +117,35 @@ class ChunkedCrossAttention(nn.Module):
         # position_bias_scale × the parameter (ModelConfig: the bias must learn fast).
         self.position_bias = nn.Parameter(torch.zeros(cfg.n_head, 3 * m - 1))
         self.position_bias_scale = cfg.position_bias_scale
+        self.copy_gate = cfg.copy_gate
+        if cfg.copy_gate:  # constants, no random draw: every other weight starts as without the gate
+            scale = cfg.position_bias_scale or 1.0
+            self.gate_scale = scale
+            self.match_bias = nn.Parameter(torch.full((cfg.n_head,), MATCH_INIT / scale))
+            self.null_bias = nn.Parameter(torch.full((cfg.n_head,), NULL_INIT / scale))
+            self.null_key = nn.Parameter(torch.zeros(cfg.n_head, cfg.n_embd // cfg.n_head))
 
-    def forward(self, h: torch.Tensor, encoded: torch.Tensor, neighbours: torch.Tensor) -> torch.Tensor:
-        # h (b, n, d); encoded (b, l, k, r, e); neighbours (b, l, k, r) int64, -1 = missing.
+    def forward(self, h: torch.Tensor, encoded: torch.Tensor, neighbours: torch.Tensor,
+                tokens: torch.Tensor | None = None) -> torch.Tensor:
+        # h (b, n, d); encoded (b, l, k, r, e); neighbours (b, l, k, r) int64, -1 = missing;
+        # tokens (b, n) int64, the sequence's own (the copy gate reads them).
         m = self.chunk_len
         b = h.shape[0]
         x = F.pad(self.ln(h), (0, 0, -(m - 1), m - 1))  # (b, n, d): row p now holds position p+m-1
         q = rearrange(x, "b (l m) d -> (b l) m d", m=m)
+        current = None
+        if tokens is not None:  # the token at each shifted row's position, -1 past the end
+            current = rearrange(F.pad(tokens, (-(m - 1), m - 1), value=-1), "b (l m) -> (b l) m", m=m)
         y = self.attend(q, rearrange(encoded, "b l k r e -> (b l) k r e"),
-                        rearrange(neighbours, "b l k r -> (b l) k r"), torch.arange(m, device=h.device))
+                        rearrange(neighbours, "b l k r -> (b l) k r"), torch.arange(m, device=h.device), current)
         y = rearrange(y, "(b l) m d -> b (l m) d", b=b)
         return F.pad(y, (0, 0, m - 1, -(m - 1)))  # undo the shift; positions 0 … m-2 get zeros
 
-    def attend(self, q: torch.Tensor, encoded: torch.Tensor, neighbours: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, encoded: torch.Tensor, neighbours: torch.Tensor, rows: torch.Tensor,
+               current: torch.Tensor | None = None) -> torch.Tensor:
         """q (B, t, d): normalised queries at rows `rows` (t,) of their shifted chunks; encoded
-        (B, k, r, e) and neighbours (B, k, r) of those chunks → (B, t, d), an exact zero where a
-        chunk has no neighbour at all."""
+        (B, k, r, e) and neighbours (B, k, r) of those chunks; current (B, t): the token at each
+        query's position (-1 = none) → (B, t, d), an exact zero where a chunk has no neighbour at all."""
         m = self.chunk_len
         B, k, r = neighbours.shape
         context = rearrange(encoded, "B k r e -> B (k r) e")
@@ -117,11 +155,25 @@ class ChunkedCrossAttention(nn.Module):
         k_pos = torch.arange(r, device=q.device).repeat(k)  # every neighbour starts at offset 0
         offsets = k_pos[None, :] - q_pos[:, None] + 2 * m - 2   # (t, k r), indices into position_bias
         bias = self.position_bias_scale * self.position_bias[:, offsets][None]   # (1, heads, t, k r)
-        y = self.attn(q, context, q_pos, k_pos, mask, bias)  # (B, t, d)
+        null = None
+        if self.copy_gate:
+            bias = bias + self.match_logits(neighbours, current)                  # (B, heads, t, k r)
+            null = (self.null_key, self.gate_scale * self.null_bias)
+        y = self.attn(q, context, q_pos, k_pos, mask, bias, null)  # (B, t, d)
         return y * rearrange(any_valid, "B 1 1 1 -> B 1 1").to(y.dtype)  # no neighbour → exact zero
 
-    def decode(self, h: torch.Tensor, start: int, encoded: torch.Tensor | None, neighbours: torch.Tensor) -> torch.Tensor:
-        """forward's output at the new positions start … start + T - 1 only (h (b, T, d)).
+    def match_logits(self, neighbours: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+        """(B, heads, t, k r): the copy gate's bonus on neighbour token j where token j - 1 of the
+        same neighbour is the query's current token (the neighbour matches the text just read, so
+        its token j may be the next one)."""
+        previous = rearrange(F.pad(neighbours, (1, -1), value=-1), "B k r -> B 1 (k r)")   # token j - 1
+        match = (previous == current[:, :, None]) & (previous >= 0)                          # (B, t, k r)
+        return self.gate_scale * self.match_bias[None, :, None, None] * match[:, None].to(self.match_bias.dtype)
+
+    def decode(self, h: torch.Tensor, start: int, encoded: torch.Tensor | None, neighbours: torch.Tensor,
+               tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """forward's output at the new positions start … start + T - 1 only (h (b, T, d); tokens
+        (b, T): the tokens fed at them).
 
         encoded (b, l, k, r, e) and neighbours (b, l, k, r) hold the sequence's chunks from 0; a
         new position p reads chunk (p + 1) // m - 1 only, which is complete by p (so the caller
@@ -136,18 +188,30 @@ class ChunkedCrossAttention(nn.Module):
         s0, s1 = first - (m - 1), last - (m - 1)           # their rows in the shifted layout
         u0, u1 = s0 // m, s1 // m
         x = self.ln(h[:, first - start:])                  # (b, t, d)
+        current = tokens[:, first - start:] if tokens is not None else None
         if u0 == u1:  # one chunk (every step after the first): only the new rows are computed
             rows = torch.arange(s0 % m, s1 % m + 1, device=h.device)
-            y = self.attend(x, encoded[:, u0], neighbours[:, u0], rows)
+            y = self.attend(x, encoded[:, u0], neighbours[:, u0], rows, current)
         else:         # a prompt over several chunks: lay the rows out in whole chunks, as forward
             chunks = h.new_zeros(b, (u1 - u0 + 1) * m, d)
             chunks[:, s0 - u0 * m:s1 - u0 * m + 1] = x
+            if current is not None:
+                laid = current.new_full((b, (u1 - u0 + 1) * m), -1)
+                laid[:, s0 - u0 * m:s1 - u0 * m + 1] = current
+                current = rearrange(laid, "b (l m) -> (b l) m", m=m)
             y = self.attend(rearrange(chunks, "b (l m) d -> (b l) m d", m=m),
                             rearrange(encoded[:, u0:u1 + 1], "b l k r e -> (b l) k r e"),
-                            rearrange(neighbours[:, u0:u1 + 1], "b l k r -> (b l) k r"), torch.arange(m, device=h.device))
+                            rearrange(neighbours[:, u0:u1 + 1], "b l k r -> (b l) k r"), torch.arange(m, device=h.device),
+                            current)
             y = rearrange(y, "(b l) m d -> b (l m) d", b=b)[:, s0 - u0 * m:s1 - u0 * m + 1]
         out[:, first - start:] = y
         return out
+
+
+# The copy gate's start: a matching neighbour token gets +4 logits, the null slot +2 (each head;
+# learned, as scale × parameter). With the position bias still zero, a query then attends where
+# the neighbour matches, else mostly to the null slot and the neighbours alike.
+MATCH_INIT, NULL_INIT = 4.0, 2.0
 
 
 def cca_flops(cfg: ModelConfig, n: int, k: int, first: bool) -> float:

@@ -63,6 +63,11 @@ class ModelConfig:
     # multiplier, not an optimizer group with its own rate: every stage keeps the same two groups,
     # training/pipeline/param_groups.py.) 0 turns the bias off.
     position_bias_scale: float = 100.0
+    # RETRO only. The copy gate (training/models/cca.py): the CCA sees where a neighbour's previous
+    # token is the query's current one and may attend to a null slot instead, so it copies a
+    # neighbour where the neighbour keeps matching the text, not where it diverges or never
+    # belonged (docs/results.md, "Doing no harm").
+    copy_gate: bool = False
 
     def __post_init__(self):
         require(self.kind in ("gpt2", "retro"), "model.kind", f"must be 'gpt2' or 'retro', got {self.kind!r}")

@@ -10,14 +10,15 @@ A model class (GPT2, and Retro its subclass) defines its layers once, in order, 
 Activations between layers (the pipeline contract; ids int64, everything else float):
 
     GPT-2:  tokens (b, n) ─wte→ x ─wpe→ h ─blocks→ h ─ln_f→ h ─wte→ logits (b, n, vocab)
-    RETRO:  (tokens, ids) ─wte→ (x, ids, embedded (b, l, k, r, d)) ─wpe→ (h, ids, embedded)
-            ─blocks before the first CCA→ (h, ids, embedded)
-            ─first CCA block→ (h, ids, encoded (b, l, k, r, e)) ─blocks→ (h, ids, encoded)
+    RETRO:  (tokens, ids) ─wte→ (x, ids, embedded (b, l, k, r, d), tokens) ─wpe→ (h, ids, embedded, tokens)
+            ─blocks before the first CCA→ (h, ids, embedded, tokens)
+            ─first CCA block→ (h, ids, encoded (b, l, k, r, e), tokens) ─blocks→ (h, ids, encoded, tokens)
             ─last CCA block→ h ─blocks, ln_f→ h ─wte→ logits
 
-ids = neighbour token ids (b, l, k, r), -1 = missing (no separate mask crosses stages). Every
-float crossing a layer boundary is differentiated downstream: `embedded` feeds the encoder,
-`encoded` the CCAs, and the last CCA drops both.
+ids = neighbour token ids (b, l, k, r), -1 = missing (no separate mask crosses stages); tokens =
+the sequence's own (b, n), which the CCAs' copy gate reads. Every float crossing a layer boundary
+is differentiated downstream: `embedded` feeds the encoder, `encoded` the CCAs, and the last CCA
+drops both.
 
 Tying: the two `wte` entries (the input lookup, of RETRO's neighbours too; the output head) share
 tie_key "embed" and one `TokenEmbedding` module; they differ by forward_fn(module, x). A layer's

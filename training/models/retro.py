@@ -58,7 +58,8 @@ def embed_neighbours(wte: TokenEmbedding, neighbours: torch.Tensor) -> torch.Ten
 
 def embed_inputs(wte: TokenEmbedding, x, chunk_len: int):
     """First RETRO layer (tied use of wte): (tokens, neighbours) → (token embeddings (b, n, d),
-    neighbours, embedded neighbours (b, l, k, r, d)).
+    neighbours, embedded neighbours (b, l, k, r, d), tokens): the tokens travel on for the CCAs'
+    copy gate.
 
     Tokens and neighbours are looked up together, in one `gpt2.lookup` (whose backward adds into
     the tied weight's gradient in place, not through a dense gradient per call). Missing
@@ -71,7 +72,7 @@ def embed_inputs(wte: TokenEmbedding, x, chunk_len: int):
     ids = torch.cat([tokens.reshape(-1), neighbours.clamp(min=0).reshape(-1)])
     both = lookup(wte.weight, ids)                                         # (b·n + b·l·k·r, d)
     h, embedded = both.split([tokens.numel(), neighbours.numel()])
-    return h.view(*tokens.shape, -1), neighbours, embedded.view(*neighbours.shape, -1)
+    return h.view(*tokens.shape, -1), neighbours, embedded.view(*neighbours.shape, -1), tokens
 
 
 # The identity-path map is drawn from its own generator: every stage of a pipeline, building only
@@ -116,9 +117,10 @@ def init_identity_path(block: "RetroBlock", cfg: ModelConfig) -> None:
 
 
 class RetroBlock(Block):
-    """Block + CCA. Tuple in: (h, ids, embedded) for the first, (h, ids, encoded) for later ones.
+    """Block + CCA. Tuple in: (h, ids, embedded, tokens) for the first, (h, ids, encoded, tokens)
+    for later ones.
 
-    Tuple out: (h, ids, encoded), except the last CCA layer, which returns h alone: nothing
+    Tuple out: (h, ids, encoded, tokens), except the last CCA layer, which returns h alone: nothing
     downstream needs the neighbours, and a pipeline must not carry a float nobody differentiates.
     """
 
@@ -134,15 +136,15 @@ class RetroBlock(Block):
 
     def forward(self, x):
         if self.first:
-            h, ids, embedded = x                                   # embedded (b, l, k, r, d)
+            h, ids, embedded, tokens = x                           # embedded (b, l, k, r, d)
         else:
-            h, ids, encoded = x                                    # encoded (b, l, k, r, e)
+            h, ids, encoded, tokens = x                            # encoded (b, l, k, r, e)
         h = h + self.attn(self.ln_1(h))
         if self.first:
             encoded = self.encoder(embedded, ids, h)               # once, for every CCA
-        h = h + self.cca(h, encoded, ids)
+        h = h + self.cca(h, encoded, ids, tokens)
         h = h + self.mlp(self.ln_2(h))
-        return h if self.last else (h, ids, encoded)
+        return h if self.last else (h, ids, encoded, tokens)
 
     def decode(self, h: torch.Tensor, layer: LayerCache, step: DecodeStep) -> torch.Tensor:
         """forward for the new positions step.start … + T - 1, h (b, T, d). The first CCA block
@@ -153,7 +155,7 @@ class RetroBlock(Block):
         h = h + self.attn(self.ln_1(h), layer)
         if self.first:
             self._encode_completed(h, layer.capacity, step)
-        h = h + self.cca.decode(h, start, cache.encoded, cache.neighbours)
+        h = h + self.cca.decode(h, start, cache.encoded, cache.neighbours, step.tokens)
         return h + self.mlp(self.ln_2(h))
 
     def _encode_completed(self, h: torch.Tensor, capacity: int, step: DecodeStep) -> None:
@@ -232,4 +234,4 @@ class Retro(GPT2):
             raise ValueError(f"neighbours must be (b, l, k, r) = ({b}, {chunks}, k, r) for {start + n} tokens, "
                              f"got {tuple(neighbours.shape)}")
         completed = embed_neighbours(self.wte, neighbours[:, start // m:(start + n) // m])   # (b, l', k, r, d)
-        return DecodeStep(start, cache, neighbours, completed)
+        return DecodeStep(start, cache, neighbours, completed, tokens)

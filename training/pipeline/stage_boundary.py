@@ -1,4 +1,4 @@
-"""What crosses a pipeline cut: RETRO's (h, ids, z) as one float tensor (hz) and the ids.
+"""What crosses a pipeline cut: RETRO's (h, ids, z, tokens) as one float tensor (hz) and the ints.
 
 z is the neighbours' state: embedded (b, l, k, r, d) before the first CCA layer, encoded
 (b, l, k, r, e) after it. DeepSpeed's pipeline engine runs a stage's backward once per float
@@ -16,24 +16,26 @@ import torch
 
 
 def pack_boundary(x):
-    """RETRO's (h, ids, z) as (hz, ids), hz (b, n·d + l·k·r·w): its two float tensors as one.
-    Anything else (GPT-2's h, RETRO's h after the last CCA layer) passes unchanged."""
-    if (isinstance(x, tuple) and len(x) == 3 and x[0].is_floating_point() and x[2].is_floating_point()
-            and not x[1].is_floating_point()):
-        h, ids, z = x
+    """RETRO's (h, ids, z, tokens) as (hz, ids, tokens), hz (b, n·d + l·k·r·w): its two float
+    tensors as one. Anything else (GPT-2's h, RETRO's h after the last CCA layer) passes unchanged."""
+    if (isinstance(x, tuple) and len(x) == 4 and x[0].is_floating_point() and x[2].is_floating_point()
+            and not x[1].is_floating_point() and not x[3].is_floating_point()):
+        h, ids, z, tokens = x
         if h.dtype != z.dtype:  # one model, one dtype: anything else is a bug upstream, not a case
             raise TypeError(f"pack_boundary: h is {h.dtype} but the neighbours are {z.dtype}")
-        return torch.cat([h.flatten(1), z.flatten(1)], dim=1), ids
+        return torch.cat([h.flatten(1), z.flatten(1)], dim=1), ids, tokens
     return x
 
 
 def unpack_boundary(x, n_embd: int, chunk_len: int):
     """pack_boundary undone on the next stage: views of the received tensor, so its gradient is one too."""
-    if isinstance(x, tuple) and len(x) == 2 and x[0].is_floating_point() and not x[1].is_floating_point():
-        hz, ids = x
+    if (isinstance(x, tuple) and len(x) == 3 and x[0].is_floating_point() and not x[1].is_floating_point()
+            and not x[2].is_floating_point()):
+        hz, ids, tokens = x
         (b, l, k, r), n = ids.shape, ids.shape[1] * chunk_len
         h, z = hz.split([n * n_embd, hz.shape[1] - n * n_embd], dim=1)
-        return h.view(b, n, n_embd), ids, z.view(b, l, k, r, -1)  # (b, n, d), (b, l, k, r), (b, l, k, r, w)
+        # (b, n, d), (b, l, k, r), (b, l, k, r, w), (b, n)
+        return h.view(b, n, n_embd), ids, z.view(b, l, k, r, -1), tokens
     return x
 
 
