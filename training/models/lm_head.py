@@ -35,10 +35,14 @@ class _FusedLMLoss(torch.autograd.Function):
         n_tokens, vocab = h.shape[0], weight.shape[0]
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         grad_h = torch.empty_like(h) if want_h else None
-        grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_w else None
         # Matmuls in h's precision (bf16 under mixed precision) or autocast's (the `out=` matmuls
-        # below bypass autocast, so cast here); softmax and loss in fp32.
+        # below bypass autocast, so cast here); softmax and loss in fp32. W's gradient accumulates
+        # over the slices in fp32, or, where W itself is bf16 (a bf16 model, as DeepSpeed trains
+        # it), in W's dtype as every other gradient of that model is made: in place, without a
+        # (V, d) fp32 copy per slice.
         mm_dtype = _autocast_dtype(h.device.type) or h.dtype
+        acc_dtype = weight.dtype if weight.dtype == mm_dtype else torch.float32
+        grad_w = torch.zeros_like(weight, dtype=acc_dtype) if want_w else None
         hm, w = h.to(mm_dtype), weight.to(mm_dtype)
         fp32 = mm_dtype == torch.float32 and h.dtype == torch.float32
         # Two (S, V) buffers for all slices: the logits and their softmax. A fresh 51 MB tensor per
@@ -100,7 +104,9 @@ def _slice_grads(probs: torch.Tensor, target: torch.Tensor, valid: torch.Tensor,
         grad = grad.to(w.dtype)
         if grad_h is not None:
             grad_h[:] = grad @ w                                                  # into h's dtype
-        if grad_w is not None:
+        if grad_w is not None and grad_w.dtype == w.dtype:
+            grad_w.addmm_(grad.t(), hs)                                           # a bf16 model's W
+        elif grad_w is not None:
             grad_w += (grad.t() @ hs).float()
 
 
