@@ -7,7 +7,9 @@ GPT-2 baseline and of RETRO on the same trunk (k = 2 neighbours of 2 · chunk_le
 chunk), their step-time ratio (goal: RETRO ≤ 1.2× baseline), and model FLOP utilisation:
 nanoGPT's estimate_mfu, 6N + 12·L·H·Q·T FLOPs per token (N = parameters without positions),
 against the matmul FLOP/s measured in the same run by timing a big matmul in the same dtype.
-bf16 runs under torch.autocast, as training does.
+Steps run as training runs them: the fused LM head (train.fused_head, the default) and, for
+bf16, a bf16 model (DeepSpeed's bf16 mode keeps the weights in bf16 and the fp32 master copy in
+its optimizer); `--bf16 autocast` measures fp32 weights under torch.autocast instead.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch  # noqa: E402
 from retropipe.training.models.build import build_model  # noqa: E402
 from retropipe.training.models.config import ModelConfig  # noqa: E402
 from retropipe.training.models.flops import flops_per_token, mfu  # noqa: E402
-from retropipe.training.models.gpt2 import loss_fn  # noqa: E402
+from retropipe.training.models.gpt2 import fused_loss_fn  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -48,25 +50,25 @@ def matmul_flops(device: str, dtype: torch.dtype, size: int, reps: int) -> float
     return matmul_flops_per_s(dtype, device, size, seconds=reps * (time.perf_counter() - t0))
 
 
-def one_step(model, batch, device: str, dtype: torch.dtype) -> float:
+def one_step(model, batch, device: str, autocast_dtype: torch.dtype | None) -> float:
     """Seconds of one forward + backward (no optimizer step)."""
     sync(device)
     t0 = time.perf_counter()
-    with torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
-        loss = loss_fn(model(*batch[:-1]), batch[-1])
+    with torch.autocast(device, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+        loss = fused_loss_fn(model(*batch[:-1]), batch[-1])
     loss.backward()
     sync(device)
     model.zero_grad(set_to_none=True)
     return time.perf_counter() - t0
 
 
-def step_times(runs: dict, device: str, dtype: torch.dtype, warmup: int, iters: int) -> dict:
+def step_times(runs: dict, device: str, autocast_dtype: torch.dtype | None, warmup: int, iters: int) -> dict:
     """Best step time per model, the models' steps interleaved so that a noisy neighbour on a
     shared machine slows both alike; the minimum is the least disturbed run."""
     best = {name: float("inf") for name in runs}
     for i in range(warmup + iters):
         for name, (model, batch) in runs.items():
-            t = one_step(model.train(), batch, device, dtype)
+            t = one_step(model.train(), batch, device, autocast_dtype)
             if i >= warmup:
                 best[name] = min(best[name], t)
     return best
@@ -82,6 +84,8 @@ def main(argv=None) -> int:
     parser.add_argument("--chunk-len", type=int, default=64)
     parser.add_argument("--neighbours", type=int, default=2)
     parser.add_argument("--dtypes", default="fp32,bf16", help="subset of fp32,bf16")
+    parser.add_argument("--bf16", default="weights", choices=["weights", "autocast"],
+                        help="bf16 as DeepSpeed trains (a bf16 model, the default) or fp32 weights under autocast")
     args = parser.parse_args(argv)
     device, cuda = args.device, args.device == "cuda"
     if cuda and not torch.cuda.is_available():
@@ -91,7 +95,7 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     name = torch.cuda.get_device_name() if cuda else f"CPU, {torch.get_num_threads()} threads"
     print(f"device: {name}; torch {torch.__version__}; seq_len {seq_len}, chunk_len {args.chunk_len}, "
-          f"k {args.neighbours}; best of {iters} steps after {warmup} warm-up")
+          f"k {args.neighbours}; bf16 as {args.bf16}; best of {iters} steps after {warmup} warm-up")
     dtypes = {label: DTYPES[label] for label in args.dtypes.split(",")}
     peak = {label: 0.0 for label in dtypes}
 
@@ -112,12 +116,15 @@ def main(argv=None) -> int:
         models = {}
         for kind in ("gpt2", "retro"):
             cfg = ModelConfig.preset(preset, kind=kind, chunk_len=args.chunk_len)
-            models[kind] = (cfg, build_model(cfg).to(device))
+            models[kind] = (cfg, build_model(cfg, fused_head=True).to(device))
         for label, dtype in dtypes.items():
             measure_peak()
-            runs = {kind: (model, (x, y) if kind == "gpt2" else (x, neighbours.to(device), y))
+            as_weights = dtype != torch.float32 and args.bf16 == "weights"
+            runs = {kind: (model.to(dtype if as_weights else torch.float32),
+                           (x, y) if kind == "gpt2" else (x, neighbours.to(device), y))
                     for kind, (cfg, model) in models.items()}
-            best = step_times(runs, device, dtype, warmup, iters)
+            autocast = dtype if dtype != torch.float32 and not as_weights else None
+            best = step_times(runs, device, autocast, warmup, iters)
             for kind, (cfg, model) in models.items():
                 n = sum(p.numel() for p in model.parameters())
                 rows.append((preset, label, kind, n, batch_size, best[kind], best[kind] / best["gpt2"],

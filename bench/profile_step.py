@@ -1,11 +1,12 @@
 """Profile one training step (forward + backward + AdamW) with the torch profiler: where the time goes.
 
-    python bench/profile_step.py [--shapes tiny,12x384] [--kinds gpt2,retro] [--precision fp32|bf16|auto]
+    python bench/profile_step.py [--shapes tiny,12x384,gpt2-124m] [--kinds gpt2,retro] [--precision fp32|bf16|auto]
     # an AVX2-only CPU's kernels on an AVX-512 machine (same ISA paths, not the same chip):
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python bench/profile_step.py --precision fp32
 
 The model is the layer list the pipeline runs (training/models/layers.py), with the fused LM head as
-training uses it, one process on all cores. Prints, per shape and kind, the step time and the
+training uses it, one process on all cores; bf16 is a bf16 model, as DeepSpeed's bf16 mode trains
+(`--bf16 autocast`: fp32 weights under torch.autocast). Prints, per shape and kind, the step time and the
 time of each phase (trunk forward, fused head + loss, backward, optimizer) and the top operators
 by self CPU time with their share of the step.
 """
@@ -49,8 +50,8 @@ def batch_for(cfg: ModelConfig, batch: int, seq_len: int, k: int, g: torch.Gener
 PHASES = ("trunk forward", "head + loss", "backward", "optimizer")
 
 
-def step(model, opt, inputs, labels, dtype) -> None:
-    with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+def step(model, opt, inputs, labels, autocast_dtype) -> None:
+    with torch.autocast("cpu", dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
         with record_function("trunk forward"):
             outputs = model(*inputs)
         with record_function("head + loss"):
@@ -62,23 +63,26 @@ def step(model, opt, inputs, labels, dtype) -> None:
         opt.zero_grad(set_to_none=True)
 
 
-def profile_one(shape: str, kind: str, precision: str, batch: int, seq_len: int, top: int) -> None:
-    cfg = ModelConfig(kind=kind, chunk_len=64, **SHAPES[shape])
+def profile_one(shape: str, kind: str, precision: str, bf16: str, batch: int, seq_len: int, top: int) -> None:
+    cfg = (ModelConfig(kind=kind, chunk_len=64, **SHAPES[shape]) if shape in SHAPES
+           else ModelConfig.preset(shape, kind=kind, chunk_len=64))
     torch.manual_seed(0)
-    model = build_model(cfg, fused_head=True).train()
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    as_weights = dtype != torch.float32 and bf16 == "weights"
+    model = build_model(cfg, fused_head=True).train().to(dtype if as_weights else torch.float32)
+    autocast = dtype if dtype != torch.float32 and not as_weights else None
     # DeepSpeed's ZeRO-1 updates one flat fp32 buffer per parameter group, a few passes over one
     # big tensor; torch's per-tensor AdamW on CPU (foreach falls back to a loop there) would be
     # 25% of a tiny step that training never pays. The fused kernel is the closest stand-in.
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     inputs, labels = batch_for(cfg, batch, seq_len, 2, torch.Generator().manual_seed(0))
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
     for _ in range(2):  # warm-up: allocator, oneDNN primitive caches
-        step(model, opt, inputs, labels, dtype)
+        step(model, opt, inputs, labels, autocast)
     t0 = time.perf_counter()
-    step(model, opt, inputs, labels, dtype)
+    step(model, opt, inputs, labels, autocast)
     plain = time.perf_counter() - t0
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        step(model, opt, inputs, labels, dtype)
+        step(model, opt, inputs, labels, autocast)
     averages = prof.key_averages()
     phases = {e.key: e.cpu_time_total for e in averages if e.key in PHASES}
     events = [e for e in averages if e.self_cpu_time_total > 0 and e.key not in PHASES]
@@ -96,9 +100,11 @@ def profile_one(shape: str, kind: str, precision: str, batch: int, seq_len: int,
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default="tiny,12x384", help=f"subset of {','.join(SHAPES)}")
+    parser.add_argument("--shapes", default="tiny,12x384", help=f"subset of {','.join(SHAPES)} or a model preset")
     parser.add_argument("--kinds", default="gpt2,retro")
     parser.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"])
+    parser.add_argument("--bf16", default="weights", choices=["weights", "autocast"],
+                        help="bf16 as DeepSpeed trains (a bf16 model) or fp32 weights under autocast")
     parser.add_argument("--batch", type=int, default=4, help="sequences per step (the demo's micro-batch)")
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--top", type=int, default=12, help="operators listed per profile")
@@ -110,7 +116,7 @@ def main(argv=None) -> int:
           f"{torch.get_num_threads()} threads; torch CPU capability {torch.backends.cpu.get_cpu_capability()}")
     for shape in args.shapes.split(","):
         for kind in args.kinds.split(","):
-            profile_one(shape, kind, precision, args.batch, args.seq_len, args.top)
+            profile_one(shape, kind, precision, args.bf16, args.batch, args.seq_len, args.top)
     return 0
 
 

@@ -234,6 +234,9 @@ def test_decode_with_the_cache_gives_the_forward_logits(prefix, gate):
             if hasattr(block, "cca"):
                 block.cca.position_bias.normal_()
     tokens, neighbours = inputs(l=6)
+    if gate:  # first neighbours that copy their chunk and its continuation: the gate's bigrams match
+        for u in range(5):
+            neighbours[:, u, 0] = tokens[:, u * M:(u + 2) * M]
     n = tokens.shape[1]
     for nbrs in (neighbours, None):
         with torch.no_grad():
@@ -262,20 +265,22 @@ def test_decode_past_n_positions_is_rejected():
 
 def test_the_copy_gate_marks_where_a_neighbour_matches_the_text_just_read():
     """The bonus sits on neighbour token j when token j - 1 is the query's current token (so j may
-    be the next one), never on padding; the null slot adds nothing, so a chunk whose neighbour
-    never matches can read (almost) nothing from it."""
-    from retropipe.training.models.cca import MATCH_INIT, ChunkedCrossAttention
+    be the next one), more when token j - 2 is also the one before it, never on padding; the null
+    slot adds nothing, so a chunk whose neighbour never matches can read (almost) nothing from it."""
+    from retropipe.training.models.cca import BIGRAM_INIT, MATCH_INIT, ChunkedCrossAttention
 
     cca = ChunkedCrossAttention(tiny(copy_gate=True))
     neighbours = torch.tensor([[[5, 6, 7, 8, 9, -1, -1, -1]]])                 # (B=1, k=1, r=8)
-    current = torch.tensor([[6, 9, -1, 3]])                                   # (B=1, t=4)
+    current = torch.tensor([[[6, 5], [9, 1], [-1, -1], [3, 9], [5, -1]]])     # (B=1, t=5, 2): token, the one before
     bonus = cca.match_logits(neighbours, current)[0, 0]                       # (t, k r), head 0
-    expected = torch.zeros(4, 8)
-    expected[0, 2] = expected[1, 5] = MATCH_INIT                              # after the 6; after the 9
+    expected = torch.zeros(5, 8)
+    expected[0, 2] = MATCH_INIT + BIGRAM_INIT                                 # after 5, 6: a bigram
+    expected[1, 5] = MATCH_INIT                                               # after the 9 alone
+    expected[4, 1] = MATCH_INIT                                               # after the 5; nothing before it
     torch.testing.assert_close(bonus, expected)
     # Attention's null slot: with its logit far above the rest, the output is the projection's bias.
     with torch.no_grad():
         cca.null_bias.fill_(1e4)
-    q = torch.randn(1, 4, 32)
-    out = cca.attend(q, torch.randn(1, 1, 8, 16), neighbours, torch.arange(4), current)
-    torch.testing.assert_close(out, cca.attn.proj.bias.expand(1, 4, 32))
+    q = torch.randn(1, 5, 32)
+    out = cca.attend(q, torch.randn(1, 1, 8, 16), neighbours, torch.arange(5), current)
+    torch.testing.assert_close(out, cca.attn.proj.bias.expand(1, 5, 32))

@@ -166,3 +166,28 @@ def test_a_run_trained_under_another_alignment_rule_is_another_run(tmp_path):
     (tmp_path / "killed" / "rules.json").write_text(json.dumps({"alignment_rule": "most-matches"}))
     claim_run_dir(retro, tmp_path / "killed", write=True)
     assert json.loads((tmp_path / "killed" / "rules.json").read_text()) == {"alignment_rule": ALIGNMENT_RULE}
+
+
+def test_runs_and_models_from_before_the_copy_gate_are_read_as_without_it(tmp_path):
+    """model.copy_gate defaults to on, but a run's config.yaml or a model's config.json written
+    before the key existed had no gate: each is read as copy_gate false, so such a run is not
+    resumed by a config with the gate, and such a model loads (training/models/config.py BEFORE_THE_FIELD)."""
+    from retropipe.training.models.build import build_model
+    from retropipe.training.models.io import load_model, save_model
+
+    retro = cfg(tmp_path, config="tiny-retro.yaml")
+    assert retro.model.copy_gate
+    run = tmp_path / "retro"
+    claim_run_dir(retro, run, write=True)
+    old = yaml.safe_load((run / "config.yaml").read_text())
+    del old["model"]["copy_gate"]
+    (run / "config.yaml").write_text(yaml.safe_dump(old))
+    with pytest.raises(TrainingError, match=r"model\.copy_gate False → True"):
+        claim_run_dir(retro, run, write=False)
+    claim_run_dir(cfg(tmp_path, "model.copy_gate=false", config="tiny-retro.yaml"), run, write=False)
+    ungated = cfg(tmp_path, "model.copy_gate=false", config="tiny-retro.yaml").model
+    save_model(build_model(ungated), tmp_path / "m")
+    saved = json.loads((tmp_path / "m" / "config.json").read_text())
+    del saved["copy_gate"]
+    (tmp_path / "m" / "config.json").write_text(json.dumps(saved))
+    assert not load_model(tmp_path / "m").cfg.copy_gate

@@ -45,7 +45,7 @@ class DecodeCache:
     position). RETRO also keeps `states` (b, capacity, d), the decoder states after the first CCA
     block's self-attention that the encoder reads, and for every complete chunk its neighbour ids
     `neighbours` (b, chunks, k, r) and their encoding `encoded` (b, chunks, k, r, e)
-    (retro.RetroBlock.decode).
+    (retro.RetroBlock.decode), and the last token fed `last_token` (b,) (the copy gate's bigrams).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -54,6 +54,7 @@ class DecodeCache:
         self.states: torch.Tensor | None = None
         self.neighbours: torch.Tensor | None = None
         self.encoded: torch.Tensor | None = None
+        self.last_token: torch.Tensor | None = None
 
     def reset(self) -> None:
         """Forget every position (the buffers are kept for reuse)."""
@@ -68,6 +69,8 @@ class DecodeCache:
                 layer.k, layer.v = layer.k[rows], layer.v[rows]
         if self.states is not None:
             self.states, self.neighbours, self.encoded = self.states[rows], self.neighbours[rows], self.encoded[rows]
+        if self.last_token is not None:
+            self.last_token = self.last_token[rows]
 
 
 @dataclass
@@ -75,10 +78,10 @@ class DecodeStep:
     """What the blocks of one incremental forward share: where its T new positions start, the
     cache, and for RETRO the neighbours of the chunks begun so far (b, l, k, r) with the embedded
     neighbours (b, l', k, r, d) of the chunks that the new positions complete (none: l' = 0), and
-    the tokens fed (the copy gate reads them)."""
+    the tokens fed, after the one fed before them (the copy gate reads them)."""
 
     start: int
     cache: DecodeCache
     neighbours: torch.Tensor | None = None
     completed: torch.Tensor | None = None
-    tokens: torch.Tensor | None = None          # (b, T): the tokens fed at the new positions
+    tokens: torch.Tensor | None = None          # (b, T + 1): the token before (-1 at 0), then the new ones

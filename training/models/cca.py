@@ -102,10 +102,12 @@ class ChunkedCrossAttention(nn.Module):
     of the chunk's neighbours are attended to jointly; missing ones (id -1) are masked.
 
     Copy gate (model.copy_gate): a neighbour is worth copying from where it keeps matching the text
-    read so far, and only there. Each query gets a logit bonus (per head) on every neighbour token
-    whose previous token is the query's own current token, and a null slot that adds nothing, so
-    it can decline: where a neighbour lines up and then diverges, or never belonged, the bonus is
-    missing at the aligned offset and the null slot can win (docs/results.md).
+    read so far, and only there. Each query gets a logit bonus (learned, per head) on every
+    neighbour token whose previous token is the query's current token, a second bonus where the
+    two previous tokens are the query's last two, and a null slot that adds nothing, so it can
+    decline: where a neighbour lines up and then diverges, or never belonged, no bigram matches and
+    the null slot wins. One common token (" the", a newline) matches anywhere; two in a row rarely
+    do by chance (docs/results.md, "Doing no harm").
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -122,6 +124,7 @@ class ChunkedCrossAttention(nn.Module):
             scale = cfg.position_bias_scale or 1.0
             self.gate_scale = scale
             self.match_bias = nn.Parameter(torch.full((cfg.n_head,), MATCH_INIT / scale))
+            self.bigram_bias = nn.Parameter(torch.full((cfg.n_head,), BIGRAM_INIT / scale))
             self.null_bias = nn.Parameter(torch.full((cfg.n_head,), NULL_INIT / scale))
             self.null_key = nn.Parameter(torch.zeros(cfg.n_head, cfg.n_embd // cfg.n_head))
 
@@ -134,8 +137,9 @@ class ChunkedCrossAttention(nn.Module):
         x = F.pad(self.ln(h), (0, 0, -(m - 1), m - 1))  # (b, n, d): row p now holds position p+m-1
         q = rearrange(x, "b (l m) d -> (b l) m d", m=m)
         current = None
-        if tokens is not None:  # the token at each shifted row's position, -1 past the end
-            current = rearrange(F.pad(tokens, (-(m - 1), m - 1), value=-1), "b (l m) -> (b l) m", m=m)
+        if tokens is not None:  # each shifted row's token and the one before it, -1 past the end
+            now, before = (F.pad(tokens, (-(m - s), m - s), value=-1) for s in (1, 2))
+            current = rearrange(torch.stack([now, before], -1), "b (l m) two -> (b l) m two", m=m)
         y = self.attend(q, rearrange(encoded, "b l k r e -> (b l) k r e"),
                         rearrange(neighbours, "b l k r -> (b l) k r"), torch.arange(m, device=h.device), current)
         y = rearrange(y, "(b l) m d -> b (l m) d", b=b)
@@ -144,8 +148,9 @@ class ChunkedCrossAttention(nn.Module):
     def attend(self, q: torch.Tensor, encoded: torch.Tensor, neighbours: torch.Tensor, rows: torch.Tensor,
                current: torch.Tensor | None = None) -> torch.Tensor:
         """q (B, t, d): normalised queries at rows `rows` (t,) of their shifted chunks; encoded
-        (B, k, r, e) and neighbours (B, k, r) of those chunks; current (B, t): the token at each
-        query's position (-1 = none) → (B, t, d), an exact zero where a chunk has no neighbour at all."""
+        (B, k, r, e) and neighbours (B, k, r) of those chunks; current (B, t, 2): the token at each
+        query's position and the one before (-1 = none) → (B, t, d), an exact zero where a chunk
+        has no neighbour at all."""
         m = self.chunk_len
         B, k, r = neighbours.shape
         context = rearrange(encoded, "B k r e -> B (k r) e")
@@ -165,15 +170,21 @@ class ChunkedCrossAttention(nn.Module):
     def match_logits(self, neighbours: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
         """(B, heads, t, k r): the copy gate's bonus on neighbour token j where token j - 1 of the
         same neighbour is the query's current token (the neighbour matches the text just read, so
-        its token j may be the next one)."""
-        previous = rearrange(F.pad(neighbours, (1, -1), value=-1), "B k r -> B 1 (k r)")   # token j - 1
-        match = (previous == current[:, :, None]) & (previous >= 0)                          # (B, t, k r)
-        return self.gate_scale * self.match_bias[None, :, None, None] * match[:, None].to(self.match_bias.dtype)
+        its token j may be the next one), and more where token j - 2 is also the one before it.
+        current (B, t, 2): each query's token and the one before."""
+        previous, previous2 = (rearrange(F.pad(neighbours, (s, -s), value=-1), "B k r -> B 1 (k r)")
+                               for s in (1, 2))                                          # tokens j - 1, j - 2
+        match = (previous == current[:, :, None, 0]) & (previous >= 0)                   # (B, t, k r)
+        bigram = match & (previous2 == current[:, :, None, 1]) & (previous2 >= 0)
+        dtype = self.match_bias.dtype
+        bonus = (self.match_bias[None, :, None, None] * match[:, None].to(dtype)
+                 + self.bigram_bias[None, :, None, None] * bigram[:, None].to(dtype))
+        return self.gate_scale * bonus
 
     def decode(self, h: torch.Tensor, start: int, encoded: torch.Tensor | None, neighbours: torch.Tensor,
                tokens: torch.Tensor | None = None) -> torch.Tensor:
         """forward's output at the new positions start … start + T - 1 only (h (b, T, d); tokens
-        (b, T): the tokens fed at them).
+        (b, T + 1): the token before them (-1 at the start) and the tokens fed at them).
 
         encoded (b, l, k, r, e) and neighbours (b, l, k, r) hold the sequence's chunks from 0; a
         new position p reads chunk (p + 1) // m - 1 only, which is complete by p (so the caller
@@ -188,7 +199,9 @@ class ChunkedCrossAttention(nn.Module):
         s0, s1 = first - (m - 1), last - (m - 1)           # their rows in the shifted layout
         u0, u1 = s0 // m, s1 // m
         x = self.ln(h[:, first - start:])                  # (b, t, d)
-        current = tokens[:, first - start:] if tokens is not None else None
+        current = None
+        if tokens is not None:                             # (b, t, 2): each position's token, the one before
+            current = torch.stack([tokens[:, 1:], tokens[:, :-1]], -1)[:, first - start:]
         if u0 == u1:  # one chunk (every step after the first): only the new rows are computed
             rows = torch.arange(s0 % m, s1 % m + 1, device=h.device)
             y = self.attend(x, encoded[:, u0], neighbours[:, u0], rows, current)
@@ -196,9 +209,9 @@ class ChunkedCrossAttention(nn.Module):
             chunks = h.new_zeros(b, (u1 - u0 + 1) * m, d)
             chunks[:, s0 - u0 * m:s1 - u0 * m + 1] = x
             if current is not None:
-                laid = current.new_full((b, (u1 - u0 + 1) * m), -1)
+                laid = current.new_full((b, (u1 - u0 + 1) * m, 2), -1)
                 laid[:, s0 - u0 * m:s1 - u0 * m + 1] = current
-                current = rearrange(laid, "b (l m) -> (b l) m", m=m)
+                current = rearrange(laid, "b (l m) two -> (b l) m two", m=m)
             y = self.attend(rearrange(chunks, "b (l m) d -> (b l) m d", m=m),
                             rearrange(encoded[:, u0:u1 + 1], "b l k r e -> (b l) k r e"),
                             rearrange(neighbours[:, u0:u1 + 1], "b l k r -> (b l) k r"), torch.arange(m, device=h.device),
@@ -208,10 +221,10 @@ class ChunkedCrossAttention(nn.Module):
         return out
 
 
-# The copy gate's start: a matching neighbour token gets +4 logits, the null slot +2 (each head;
-# learned, as scale × parameter). With the position bias still zero, a query then attends where
-# the neighbour matches, else mostly to the null slot and the neighbours alike.
-MATCH_INIT, NULL_INIT = 4.0, 2.0
+# The copy gate's start (each head; learned, as scale × parameter): a neighbour token after one
+# matching token gets +2 logits, after two +6, the null slot +2. With the position bias still
+# zero, a query then attends where a bigram matches, else to the null slot and the neighbours alike.
+MATCH_INIT, BIGRAM_INIT, NULL_INIT = 2.0, 4.0, 2.0
 
 
 def cca_flops(cfg: ModelConfig, n: int, k: int, first: bool) -> float:

@@ -25,6 +25,11 @@ RETRIEVING_KINDS = ("retro",)
 TRUNK_FIELDS = ("vocab_size", "n_positions", "n_layer", "n_head", "n_embd")
 
 
+# Fields whose default is not what a model had before the field existed: a config.json or a run's
+# config.yaml written then, which lacks the field, means this value.
+BEFORE_THE_FIELD = {"copy_gate": False}
+
+
 @dataclass
 class ModelConfig:
     # "gpt2" (baseline decoder) or "retro" (decoder + chunked cross-attention over neighbours).
@@ -63,11 +68,13 @@ class ModelConfig:
     # multiplier, not an optimizer group with its own rate: every stage keeps the same two groups,
     # training/pipeline/param_groups.py.) 0 turns the bias off.
     position_bias_scale: float = 100.0
-    # RETRO only. The copy gate (training/models/cca.py): the CCA sees where a neighbour's previous
-    # token is the query's current one and may attend to a null slot instead, so it copies a
-    # neighbour where the neighbour keeps matching the text, not where it diverges or never
-    # belonged (docs/results.md, "Doing no harm").
-    copy_gate: bool = False
+    # RETRO only. The copy gate (training/models/cca.py): the CCA sees where a neighbour's
+    # previous tokens are the query's last ones and may attend to a null slot instead, so it copies
+    # a neighbour where the neighbour keeps matching the text, not where it diverges or never
+    # belonged: without it, neighbours that do not hold the text make RETRO worse than reading none
+    # (docs/results.md, "Doing no harm").
+    copy_gate: bool = True
+
 
     def __post_init__(self):
         require(self.kind in ("gpt2", "retro"), "model.kind", f"must be 'gpt2' or 'retro', got {self.kind!r}")

@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from retropipe.data.errors import ModelFormatError
 from retropipe.training.models.build import build_model
-from retropipe.training.models.config import ModelConfig
+from retropipe.training.models.config import BEFORE_THE_FIELD, ModelConfig
 from retropipe.training.models.gpt2 import GPT2
 from retropipe.training.models.retro import Retro, is_retrieval_parameter
 
@@ -80,6 +80,7 @@ def read_config(model_dir: str | os.PathLike) -> ModelConfig:
     if not isinstance(raw, dict) or raw.pop("format", None) != FORMAT:
         raise ModelFormatError(f"{path}: not a RetroPipe model (expected \"format\": \"{FORMAT}\"; "
                                "for a Hugging Face directory use launch/convert_gpt2.py --from-hf)")
+    raw = {**BEFORE_THE_FIELD, **raw}
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     unknown = sorted(set(raw) - known)
     if unknown:

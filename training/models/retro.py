@@ -234,4 +234,6 @@ class Retro(GPT2):
             raise ValueError(f"neighbours must be (b, l, k, r) = ({b}, {chunks}, k, r) for {start + n} tokens, "
                              f"got {tuple(neighbours.shape)}")
         completed = embed_neighbours(self.wte, neighbours[:, start // m:(start + n) // m])   # (b, l', k, r, d)
-        return DecodeStep(start, cache, neighbours, completed, tokens)
+        before = cache.last_token if start else tokens.new_full((b,), -1)
+        cache.last_token = tokens[:, -1]
+        return DecodeStep(start, cache, neighbours, completed, torch.cat([before[:, None], tokens], 1))

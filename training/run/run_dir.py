@@ -28,7 +28,7 @@ import yaml
 from retropipe.data.errors import TrainingError
 from retropipe.data.reading import Reading
 from retropipe.data.stage import atomic_write_text, read_json, write_json
-from retropipe.training.models.config import RETRIEVING_KINDS
+from retropipe.training.models.config import BEFORE_THE_FIELD, RETRIEVING_KINDS
 
 STATE_FILE, LATEST, RULES_FILE = "state.json", "latest.json", "rules.json"
 
@@ -64,7 +64,9 @@ def run_identity(cfg, cfg_dict: dict) -> dict:
         runtime = set(getattr(type(getattr(cfg, section)), "RUNTIME_KEYS", ())) - set(TRAINING_READS.get(section, ()))
         # A key added to RetroPipe after the run was made counts as its default, which is what
         # the run had: a run directory of an older version still resumes (or is still complete).
-        values = {**section_defaults(getattr(cfg, section)), **(cfg_dict.get(section) or {})}
+        # (BEFORE_THE_FIELD: where the default is not what a run had before the key existed.)
+        before = BEFORE_THE_FIELD if section == "model" else {}
+        values = {**section_defaults(getattr(cfg, section)), **before, **(cfg_dict.get(section) or {})}
         identity.update({f"{section}.{key}": value for key, value in values.items()
                          if key not in runtime and f"{section}.{key}" not in EXTENDS_THE_RUN})
     return identity
