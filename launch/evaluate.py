@@ -77,7 +77,7 @@ def evaluate(cfg, checkpoints: list[Path], split: str, out: Path, corpus: str | 
     bar = (lambda name: lambda xs: tqdm(xs, desc=f"eval {name}", leave=False, dynamic_ncols=True)) if progress else None
     report = evaluate_models(models, chunks, token_byte_lengths(get_tokenizer(store.manifest["tokenizer"])), cfg.eval,
                              neighbours, curve, progress=bar, device=device)
-    report.update(split=split, corpus=corpus or str(cfg.data.corpus), database=str(database),
+    report.update(split=split, corpus=corpus or str(cfg.data.corpus), heldout_corpus=bool(corpus), database=str(database),
                   checkpoints=[str(p) for p in checkpoints], inputs=inputs, trained=trained)
     out.mkdir(parents=True, exist_ok=True)
     write_report(report, [p for p in checkpoints], out)

@@ -158,7 +158,9 @@ def write_report(report: dict, run_dirs: list[Path], out: Path) -> None:
 
     plots = _plots(report, run_dirs, out)
     rows = report["rows"]
-    md = [f"# Evaluation report ({report['split']} split of {report.get('corpus', 'the corpus')})", "",
+    source = (f"held-out corpus {report['corpus']}, every document" if report.get("heldout_corpus")
+              else f"{report['split']} split of {report.get('corpus', 'the corpus')}")
+    md = [f"# Evaluation report ({source})", "",
           f"Sliding window {report['window']} tokens, stride {report['stride']}; {report['chunks']:,} chunks; "
           f"neighbours from {report.get('database', 'the database')}.", "",
           "RETRO[ON] reads each chunk's own neighbours, RETRO[OFF] none, RETRO[SHUFFLED] those retrieved for a "
