@@ -1,13 +1,17 @@
 """Benchmark chunk embedding: in-process `embed` vs the Ray Data runner with 1 and 2 actors, and MFU.
 
     python bench/embed.py [--chunks 1000] [--corpus ../shared/corpora/techdocs.jsonl.gz] [--actors 1,2]
+                          [--precisions fp32,auto]
 
 Prints, measured side by side in one run: chunks/s of the bundled all-MiniLM-L6-v2 on the
 first N training chunks of a freshly prepared corpus, (a) in this process with all cores
-(`retrieval.embed.embed`, job by job as the serial runner does) and (b) through
-`retrieval.ray_embed.RayEmbedRunner` with 1 and 2 actors; and each one's model FLOP
-utilisation: model FLOPs per chunk × chunks/s over the fp32 matmul FLOP/s measured in the
-same run. Goal on CPU: ≥ 0.6 of that peak; on a GPU the figure to record is chunks/s.
+(`retrieval.embed.embed`, job by job as the serial runner does) in each of `--precisions`
+(`retrieval.embed_precision` values; auto = what a build on this device picks), with each one's
+speed over fp32's and how many of each chunk's top-2 neighbour ids among these chunks (cosine,
+itself excluded) stay those of fp32; and (b) through `retrieval.ray_embed.RayEmbedRunner` with
+1 and 2 actors, in the last precision; and each one's model FLOP utilisation: model FLOPs per
+chunk × chunks/s over the matmul FLOP/s of its dtype measured in the same run. Goal on CPU:
+≥ 0.6 of that peak; on a GPU the figure to record is chunks/s.
 
 Model FLOPs of a BERT encoder on a sequence padded to T WordPiece tokens (the tokens really
 fed: [CLS], [SEP] and the padding to the longest text of its sub-batch included):
@@ -40,7 +44,7 @@ from retropipe.data.store import ChunkStore  # noqa: E402
 from retropipe.data.tokenizer import get_tokenizer  # noqa: E402
 from retropipe.launch.ray_utils import RayExecutor  # noqa: E402
 from retropipe.retrieval.embed import (SUB_BATCH, EmbedJob, EmbedSpec, chunk_texts, embed, load_embedder,  # noqa: E402
-                                       plan_jobs, resolve_model_path)
+                                       plan_jobs, resolve_embed_precision, resolve_model_path)
 from retropipe.retrieval.ray_embed import EmbedChunks, RayEmbedRunner  # noqa: E402
 
 
@@ -49,11 +53,14 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def matmul_flops(device: str, size: int, reps: int) -> float:
-    """Best fp32 FLOP/s of a size×size matmul on this device: the denominator of the MFU."""
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def matmul_flops(device: str, size: int, reps: int, precision: str = "fp32") -> float:
+    """Best FLOP/s of a size×size matmul in `precision` on this device: the denominator of the MFU."""
     from bench.model_step import matmul_flops as best_matmul
 
-    return best_matmul(device, torch.float32, size, reps)
+    return best_matmul(device, DTYPES[precision], size, reps)
 
 
 def first_jobs(store: ChunkStore, n: int, batch_size: int) -> list[EmbedJob]:
@@ -86,13 +93,25 @@ def flops_per_chunk(model, texts_per_job: list[list[str]]) -> tuple[float, float
     return flops / count, padded / count, real / count
 
 
-def run_inprocess(model, texts_per_job: list[list[str]]) -> float:
-    """Seconds to embed every job in this process (one `embed` call per job, like the serial runner)."""
+def run_inprocess(model, texts_per_job: list[list[str]]) -> tuple[float, np.ndarray]:
+    """(seconds, vectors) of embedding every job in this process (one `embed` call per job, like
+    the serial runner)."""
     t0 = time.perf_counter()
-    for texts in texts_per_job:
-        embed(model, texts)
+    vectors = [embed(model, texts) for texts in texts_per_job]
     sync(model.device.type)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, np.concatenate(vectors)
+
+
+def top2(vectors: np.ndarray) -> np.ndarray:
+    """(n, 2) ids of each vector's two nearest others by cosine (vectors are unit length)."""
+    sims = vectors.astype(np.float32) @ vectors.astype(np.float32).T
+    np.fill_diagonal(sims, -np.inf)
+    return np.argsort(-sims, axis=1, kind="stable")[:, :2]
+
+
+def agreement(ids: np.ndarray, reference: np.ndarray) -> float:
+    """Share of the top-2 ids of each row that are also among the reference's top 2."""
+    return float(np.mean([len(set(a) & set(b)) / 2 for a, b in zip(ids, reference)]))
 
 
 class TimedEmbedChunks(EmbedChunks):
@@ -147,11 +166,14 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds; the best of each is kept")
     parser.add_argument("--batch-size", type=int, default=64, help="chunks per job (retrieval.embed_batch_size)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--precisions", default="fp32,auto",
+                        help="retrieval.embed_precision values measured in-process; the last one also through Ray")
     args = parser.parse_args(argv)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     cores = os.cpu_count() or 1
     torch.set_num_threads(cores)
     actor_counts = [int(a) for a in args.actors.split(",") if a]
+    precisions = list(dict.fromkeys(resolve_embed_precision(p, device) for p in args.precisions.split(",") if p))
 
     with tempfile.TemporaryDirectory() as tmp:
         data_dir = Path(tmp) / "data"
@@ -164,52 +186,67 @@ def main(argv=None) -> int:
         texts_per_job = [chunk_texts(train.tokens(np.arange(j.start, j.stop)), train.lengths[j.start:j.stop],
                                      encoding, store.eot_id) for j in jobs]
         model_path = resolve_model_path("")
-        model = load_embedder(model_path, device=device)
-        fpc, padded_len, real_len = flops_per_chunk(model, texts_per_job)
+        models = {p: load_embedder(model_path, device=device, precision=p) for p in precisions}
+        fpc, padded_len, real_len = flops_per_chunk(models[precisions[0]], texts_per_job)
         name = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {cores} cores"
         print(f"device: {name}; load average {os.getloadavg()[0]:.2f}; torch {torch.__version__}")
         print(f"corpus {args.corpus}: first {n:,} training chunks, in {len(jobs)} jobs of {args.batch_size} "
               f"and sub-batches of {SUB_BATCH}")
         print(f"WordPiece tokens per chunk: {real_len:.1f} real, {padded_len:.1f} fed (padded); "
               f"model FLOPs per chunk {fpc / 1e9:.3f} GFLOP")
-        run_inprocess(model, texts_per_job[:2])  # warm-up: first calls allocate and pick kernels
+        for model in models.values():
+            run_inprocess(model, texts_per_job[:2])  # warm-up: first calls allocate and pick kernels
 
-        spec = EmbedSpec(str(data_dir.resolve()), str(model_path), store.manifest["tokenizer"])
+        ray_precision = precisions[-1]
+        spec = EmbedSpec(str(data_dir.resolve()), str(model_path), store.manifest["tokenizer"], precision=ray_precision)
         executor = RayExecutor(num_cpus=cores)
-        peak, rates = 0.0, {}
+        peaks, rates, vectors = {}, {}, {}
         size, reps = (8192, 20) if device == "cuda" else (2048, 5)
+
+        def measure_peak(precision):
+            peaks[precision] = max(peaks.get(precision, 0.0), matmul_flops(device, size, reps, precision))
+
         try:
             for _ in range(args.rounds):
                 # Interleaved, the peak re-measured beside every variant and the best kept: the
                 # machine is shared, and a neighbour must slow numerator and denominator alike.
-                peak = max(peak, matmul_flops(device, size, reps))
-                rates.setdefault("in-process", []).append(n / run_inprocess(model, texts_per_job))
-                print(f"  measured in-process: {rates['in-process'][-1]:.1f} chunks/s", flush=True)
+                for precision, model in models.items():
+                    measure_peak(precision)
+                    seconds, vectors[precision] = run_inprocess(model, texts_per_job)
+                    rates.setdefault(f"in-process {precision}", []).append(n / seconds)
+                    print(f"  measured in-process {precision}: {n / seconds:.1f} chunks/s", flush=True)
                 for actors in actor_counts:
-                    peak = max(peak, matmul_flops(device, size, reps))
+                    measure_peak(ray_precision)
                     runner = RayEmbedRunner(executor, actors, args.device, udf=TimedEmbedChunks)
                     e2e, steady = run_ray(runner, spec, jobs)
                     rates.setdefault(f"ray e2e {actors}", []).append(e2e)
                     rates.setdefault(f"ray {actors}", []).append(steady)
-                    print(f"  measured Ray {actors} actor(s): {steady:.1f} chunks/s steady, "
+                    print(f"  measured Ray {actors} actor(s), {ray_precision}: {steady:.1f} chunks/s steady, "
                           f"{e2e:.1f} end to end", flush=True)
-            peak = max(peak, matmul_flops(device, size, reps))
+            for precision in peaks:
+                measure_peak(precision)
         finally:
             executor.close()
 
     best = {key: float(np.nanmax(values)) for key, values in rates.items()}
-    print(f"matmul fp32 {size}²: {peak / 1e9:,.1f} GFLOP/s (best in this run); "
-          f"load average at the end {os.getloadavg()[0]:.2f} on {cores} cores")
-    print(f"\n{'variant':<28} {'chunks/s':>9} {'GFLOP/s':>8} {'of peak':>8}")
-    variants = [("in-process embed, all cores", "in-process")]
+    print("matmul " + ", ".join(f"{p} {size}²: {peak / 1e9:,.1f} GFLOP/s" for p, peak in peaks.items())
+          + f" (best in this run); load average at the end {os.getloadavg()[0]:.2f} on {cores} cores")
+    print(f"\n{'variant':<36} {'chunks/s':>9} {'GFLOP/s':>8} {'of peak':>8}")
+    variants = [(f"in-process embed, all cores, {p}", f"in-process {p}", p) for p in precisions]
     for a in actor_counts:
-        variants += [(f"Ray Data, {a} actor(s), steady", f"ray {a}"), (f"Ray Data, {a} actor(s), e2e", f"ray e2e {a}")]
-    for label, key in variants:
+        variants += [(f"Ray Data, {a} actor(s), {ray_precision}, steady", f"ray {a}", ray_precision),
+                     (f"Ray Data, {a} actor(s), {ray_precision}, e2e", f"ray e2e {a}", ray_precision)]
+    for label, key, precision in variants:
         rate = best[key]
-        print(f"{label:<28} {rate:>9.1f} {rate * fpc / 1e9:>8.1f} {rate * fpc / peak:>8.1%}")
+        print(f"{label:<36} {rate:>9.1f} {rate * fpc / 1e9:>8.1f} {rate * fpc / peaks[precision]:>8.1%}")
+    reference = precisions[0]
+    for precision in precisions[1:]:
+        print(f"{precision} vs {reference} in-process: {best[f'in-process {precision}'] / best[f'in-process {reference}']:.2f}× "
+              f"the chunks/s; top-2 neighbour ids unchanged: "
+              f"{agreement(top2(vectors[precision]), top2(vectors[reference])):.1%} (goal ≥ 98%)")
     if device == "cpu":
-        top = max(rate for key, rate in best.items() if not key.startswith("ray e2e"))
-        print(f"best steady MFU {top * fpc / peak:.2f} of the matmul peak (goal ≥ 0.6)")
+        top = max(rate / peaks[p] for label, key, p in variants if not key.startswith("ray e2e") for rate in [best[key]])
+        print(f"best steady MFU {top * fpc:.2f} of the matmul peak in its dtype (goal ≥ 0.6)")
     if len(actor_counts) > 1:
         lo, hi = actor_counts[0], actor_counts[-1]
         print(f"Ray {hi} vs {lo} actor(s): {best[f'ray {hi}'] / best[f'ray {lo}']:.2f}× steady")

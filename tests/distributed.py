@@ -78,6 +78,19 @@ def train(nproc: int, args: list[str], log_dir: Path, timeout: float = 300, env:
     return code, log
 
 
+def changed_layer_tensors(checkpoints: Path, before: str, after: str) -> tuple[set[str], set[str]]:
+    """(the names that differ, all names) of the tensors in DeepSpeed's per-layer files
+    (layer_NN-model_states.pt) of checkpoint `before` against checkpoint `after` of the same run."""
+    import torch
+
+    changed, names = set(), set()
+    for old_file in sorted((checkpoints / before).glob("layer_*-model_states.pt")):
+        old, new = (torch.load(f, weights_only=True) for f in (old_file, checkpoints / after / old_file.name))
+        changed |= {name for name in old if not torch.equal(old[name], new[name])}
+        names |= set(old)
+    return changed, names
+
+
 def read_tensorboard(log_dir):
     """(hyperparameters, config text, {tag: [(step, value)]}) read back from a run's event files."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
