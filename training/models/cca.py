@@ -54,6 +54,24 @@ def with_null_slot(k, v, mask, bias, key: torch.Tensor, logit: torch.Tensor):
     return k, v, mask, bias
 
 
+def attention(q, k, v, mask=None, dropout_p: float = 0.0) -> torch.Tensor:
+    """softmax(q·kᵀ/√c + mask) v for q (B, h, t, c), k and v (B, h, s, c); mask bool (True =
+    attend) or float (added), broadcastable to (B, h, t, s).
+
+    SDPA, except when training in bf16/fp16 on a CPU: there, at RETRO's short sequences (the
+    encoder's 128 neighbour tokens, the CCA's 64 queries), torch's flash-attention backward is 2-5×
+    slower than these explicit matmuls, which keep the (B, h, t, s) probabilities for backward
+    (small at these lengths; docs/benchmarks.md, "RETRO's attention in bf16").
+    """
+    if q.device.type != "cpu" or q.dtype == torch.float32 or not torch.is_grad_enabled():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+    scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-1, -2)                  # (B, h, t, s)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    probs = scores.softmax(dim=-1)
+    return (F.dropout(probs, dropout_p) if dropout_p else probs) @ v
+
+
 class Attention(nn.Module):
     """Multi-head attention of queries x (B, t, d_q) over a context (B, s, d_kv) → (B, t, d_q)."""
 
@@ -78,8 +96,7 @@ class Attention(nn.Module):
         if bias is not None:
             bias = bias.to(q.dtype)
             mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        y = attention(q, k, v, mask, self.dropout if self.training else 0.0)
         return self.resid_drop(self.proj(rearrange(y, "B h t c -> B t (h c)")))
 
 
