@@ -83,8 +83,6 @@ def score_split(model, chunks, byte_lengths: np.ndarray, window: int, stride: in
         if retro and neighbours is not None:
             nbr = torch.from_numpy(neighbours.neighbour_tokens(chunks.split, ids, k=k)).to(device)
         h = model.hidden(x, nbr) if retro else model.hidden(x)                     # (b, n, d)
-        # Slice by slice through the head: the logits of a whole batch are never held at once.
-        target_nll = token_nll(h[:, :-1], model.wte.weight, x[:, 1:]).cpu().numpy()  # (b, n - 1)
         # Target position p (1..n-1) of window row i lies in chunk ids[i, p // m]; keep it if it is
         # real, inside the split and in this window's scored range (and not a clamped repeat).
         pos = np.arange(1, L * m)
@@ -92,7 +90,12 @@ def score_split(model, chunks, byte_lengths: np.ndarray, window: int, stride: in
         unclamped = (np.array(group)[:, None] + pos[None] // m) == target_chunk
         first_scored = np.array([scored_from[s] for s in group])[:, None]
         keep = real[:, 1:] & unclamped & (target_chunk >= first_scored)
-        np.add.at(nll, target_chunk[keep], target_nll[keep])
+        # Only the kept positions go through the head (a window after the first scores its last
+        # `stride` tokens, and the head is most of a small model's forward), slice by slice: the
+        # logits of a whole batch are never held at once.
+        kept = torch.from_numpy(keep).to(device)
+        target_nll = token_nll(h[:, :-1][kept], model.wte.weight, x[:, 1:][kept]).cpu().numpy()  # (kept,)
+        np.add.at(nll, target_chunk[keep], target_nll)
         np.add.at(count, target_chunk[keep], 1)
     return ChunkScores(nll, count, chunk_bytes(chunks, byte_lengths, c))
 
