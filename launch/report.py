@@ -158,7 +158,7 @@ def write_report(report: dict, run_dirs: list[Path], out: Path) -> None:
 
     plots = _plots(report, run_dirs, out)
     rows = report["rows"]
-    source = (f"held-out corpus {report['corpus']}, every document" if report.get("heldout_corpus")
+    source = (f"held-out corpus {report['corpus']}" if report.get("heldout_corpus")
               else f"{report['split']} split of {report.get('corpus', 'the corpus')}")
     md = [f"# Evaluation report ({source})", "",
           f"Sliding window {report['window']} tokens, stride {report['stride']}; {report['chunks']:,} chunks; "

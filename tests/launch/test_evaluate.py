@@ -257,7 +257,7 @@ def test_evaluate_a_held_out_corpus_against_the_training_database(evaluated, tmp
                  "--checkpoint", str(root / "runs" / "retro")]) == 0
     report = json.loads((out / "report.json").read_text())
     assert report["corpus"] == str(corpus) and len(report["rows"]) == 3
-    assert f"held-out corpus {corpus}, every document" in (out / "report.md").read_text().splitlines()[0]
+    assert f"(held-out corpus {corpus})" in (out / "report.md").read_text().splitlines()[0]
     (ids_file,) = (out / "neighbours").glob("*/validation.npy")
     ids = np.load(ids_file, allow_pickle=False)
     assert ids.shape[1] == 2 and (ids >= 0).all()                   # the database's k
