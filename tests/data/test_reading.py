@@ -46,7 +46,7 @@ def test_neighbour_store_tokens(built):
 
 def test_self_neighbour_lessons_put_the_chunk_and_its_continuation_first(built):
     from retropipe.training.run.batches import SequenceBatches
-    from retropipe.training.run.lessons import Lessons, lesson_chunks
+    from retropipe.training.run.lessons import Lessons
 
     root, store, _ = built
     reader = NeighbourStore.of(root / "retrieval", store, chunks_per_seq=SEQ_CHUNKS)
@@ -56,8 +56,8 @@ def test_self_neighbour_lessons_put_the_chunk_and_its_continuation_first(built):
     taught = SequenceBatches(store, "train", SEQ_CHUNKS * CHUNK_LEN, reader, k=2, lessons=Lessons(copy=0.5), seed=3)
     got = taught.batch(seq)
     chunk_ids = train.sequence_chunk_ids(seq, SEQ_CHUNKS)                         # (b, l)
-    lesson = lesson_chunks(chunk_ids, 0.5, 3)
-    assert 0.3 < lesson.mean() < 0.7 and not np.array_equal(lesson, lesson_chunks(chunk_ids, 0.5, 4))
+    lesson = Lessons(copy=0.5).kinds(chunk_ids, 3)[0]
+    assert 0.3 < lesson.mean() < 0.7 and not np.array_equal(lesson, Lessons(copy=0.5).kinds(chunk_ids, 4)[0])
     np.testing.assert_array_equal(got["tokens"], plain["tokens"])
     np.testing.assert_array_equal(got["neighbours"][~lesson], plain["neighbours"][~lesson])
     np.testing.assert_array_equal(got["neighbours"][lesson, 1], plain["neighbours"][lesson, 1])
@@ -204,7 +204,7 @@ def test_diverging_and_distractor_lessons_teach_when_not_to_copy(built):
     continuation, then another document's text; a distractor is another document's chunk as
     retrieved. One draw per chunk: the copy lessons stay where they were."""
     from retropipe.training.run.batches import SequenceBatches
-    from retropipe.training.run.lessons import Lessons, lesson_chunks, other_chunks
+    from retropipe.training.run.lessons import Lessons, other_chunks
 
     root, store, _ = built
     reader = NeighbourStore.of(root / "retrieval", store, chunks_per_seq=SEQ_CHUNKS)
@@ -214,7 +214,7 @@ def test_diverging_and_distractor_lessons_teach_when_not_to_copy(built):
     got = SequenceBatches(store, "train", SEQ_CHUNKS * CHUNK_LEN, reader, k=2, lessons=lessons, seed=3).batch(seq)
     chunk_ids = train.sequence_chunk_ids(seq, SEQ_CHUNKS)
     copy, diverging, distractor = lessons.kinds(chunk_ids, 3)
-    np.testing.assert_array_equal(copy, lesson_chunks(chunk_ids, 0.3, 3))
+    np.testing.assert_array_equal(copy, Lessons(copy=0.3).kinds(chunk_ids, 3)[0])
     assert not (copy & diverging).any() and not (diverging & distractor).any() and diverging.any() and distractor.any()
     own = reader.own_tokens(chunk_ids)                                              # (b, l, r)
     others = reader.database.neighbour_tokens(other_chunks(chunk_ids, len(train), 3)[..., None])[..., 0, :]

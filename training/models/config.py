@@ -75,7 +75,6 @@ class ModelConfig:
     # (docs/results.md, "Doing no harm").
     copy_gate: bool = True
 
-
     def __post_init__(self):
         require(self.kind in ("gpt2", "retro"), "model.kind", f"must be 'gpt2' or 'retro', got {self.kind!r}")
         require(self.n_embd % self.n_head == 0, "model.n_embd",

@@ -39,11 +39,6 @@ def uniform(chunk_ids: np.ndarray, seed: int, salt: int = 0) -> np.ndarray:
     return (x >> np.uint64(11)).astype(np.float64) / 2.0**53
 
 
-def lesson_chunks(chunk_ids: np.ndarray, share: float, seed: int) -> np.ndarray:
-    """(...) bool: about `share` of chunk_ids (the copy lessons' draw)."""
-    return uniform(chunk_ids, seed) < share
-
-
 @dataclass(frozen=True)
 class Lessons:
     copy: float = 0.0
