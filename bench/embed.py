@@ -123,7 +123,7 @@ class TimedEmbedChunks(EmbedChunks):
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         start = time.time()
         out = super().__call__(batch)
-        log = Path(self.spec.data_dir).parent / "timing" / f"{os.getpid()}.txt"
+        log = Path(self.spec.data_dirs[0]).parent / "timing" / f"{os.getpid()}.txt"
         with open(log, "a") as f:
             f.write(f"{start} {time.time()} {len(out['chunk'])}\n")
         return out
@@ -149,7 +149,7 @@ def run_ray(runner: RayEmbedRunner, spec: EmbedSpec, jobs: list[EmbedJob]) -> tu
     End to end includes starting the actors and loading a model in each (Ray Data makes a new
     actor pool per execution); the steady rate, measured inside the actors, is what a real
     database (hours of embedding) runs at."""
-    timing = Path(spec.data_dir).parent / "timing"
+    timing = Path(spec.data_dirs[0]).parent / "timing"
     shutil.rmtree(timing, ignore_errors=True)
     timing.mkdir()
     t0 = time.perf_counter()
@@ -198,7 +198,7 @@ def main(argv=None) -> int:
             run_inprocess(model, texts_per_job[:2])  # warm-up: first calls allocate and pick kernels
 
         ray_precision = precisions[-1]
-        spec = EmbedSpec(str(data_dir.resolve()), str(model_path), store.manifest["tokenizer"], precision=ray_precision)
+        spec = EmbedSpec((str(data_dir.resolve()),), str(model_path), store.manifest["tokenizer"], precision=ray_precision)
         executor = RayExecutor(num_cpus=cores)
         peaks, rates, vectors = {}, {}, {}
         size, reps = (8192, 20) if device == "cuda" else (2048, 5)

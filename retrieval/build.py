@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from retropipe.data.chunking import SPLITS
 from retropipe.data.config import DataConfig
 from retropipe.data.database import Database
 from retropipe.data.errors import RetrievalError
@@ -20,7 +21,7 @@ from retropipe.data.stage import Executor, output_settings, serial_executor, wri
 from retropipe.data.store import ChunkStore
 from retropipe.retrieval.config import RetrievalConfig
 from retropipe.retrieval.database import DatabaseVectors, prepare_corpora, write_database
-from retropipe.retrieval.embed import (Embeddings, EmbedRunner, embed_store, model_identity, resolve_model_path,
+from retropipe.retrieval.embed import (Embeddings, EmbedRunner, embed_stores, model_identity, resolve_model_path,
                                        runner_precision, serial_embed_runner)
 from retropipe.retrieval.index import build_index, faiss_module, load_index, make_index, recall_check
 from retropipe.retrieval.neighbours import MANIFEST_VERSION, query_neighbours
@@ -89,15 +90,12 @@ def build_retrieval(cfg: RetrievalConfig, store: ChunkStore, out_dir: str | Path
     check_inputs(cfg, store, database_chunks=sum(len(p.store.split("train")) for p in parts))
 
     precision = runner_precision(embed_runner, cfg.embed_precision)  # once, for every part
-    embedded = []
-    for part in parts:
-        splits = ("train", "validation") if part.name == "train" else ("train",)
-        total = sum(len(part.store.split(s)) for s in splits)
-        bar, update = _bar(f"embed {part.name}", total, progress)
-        with bar:
-            manifest = embed_store(part.store, part.embeddings_dir, cfg.embedder, cfg.embed_batch_size,
-                                   embed_runner, progress=update, precision=precision)
-        embedded.append(manifest)
+    # Every part in one pass of the runner (one pool of actors); a part already embedded counts as done.
+    total = sum(len(p.store.split(s)) for p in parts for s in SPLITS)
+    bar, update = _bar("embed " + ", ".join(p.name for p in parts), total, progress)
+    with bar:
+        embedded = embed_stores([(p.store, p.embeddings_dir) for p in parts], cfg.embedder, cfg.embed_batch_size,
+                                embed_runner, progress=update, precision=precision)
     emb_manifest = embedded[0]
     query_emb = Embeddings(parts[0].embeddings_dir, emb_manifest)
     offsets, vectors_parts = 0, []

@@ -71,19 +71,21 @@ def chunk_texts(tokens: np.ndarray, lengths: np.ndarray, encoding, eot_id: int) 
 
 @dataclass(frozen=True)
 class EmbedJob:
-    """Embed chunks [start, stop) of a split; they belong to chunk-store shard `shard`."""
+    """Embed chunks [start, stop) of a split; they belong to chunk-store shard `shard` of the
+    spec's chunk store number `part` (one pass embeds every part of a database)."""
 
     split: str
     shard: int
     start: int
     stop: int
+    part: int = 0
 
 
 @dataclass(frozen=True)
 class EmbedSpec:
     """What a runner needs to embed jobs anywhere: plain paths and settings, picklable."""
 
-    data_dir: str
+    data_dirs: tuple[str, ...]  # the chunk stores, indexed by EmbedJob.part
     model_path: str
     tokenizer: str
     sub_batch: int = SUB_BATCH
@@ -101,7 +103,7 @@ def runner_precision(runner, precision: str) -> str:
 
 
 def embed_job(model, store: ChunkStore, encoding, job: EmbedJob, sub_batch: int = SUB_BATCH) -> np.ndarray:
-    """(stop - start, d) float16 embeddings of one job's chunks."""
+    """(stop - start, d) float16 embeddings of one job's chunks (`store`: the job's part)."""
     split = store.split(job.split)
     ids = np.arange(job.start, job.stop)
     texts = chunk_texts(split.tokens(ids), split.lengths[ids], encoding, store.eot_id)
@@ -119,16 +121,16 @@ def serial_embed_runner(spec: EmbedSpec, jobs: list[EmbedJob]) -> Iterator[tuple
     if not jobs:
         return
     model = cached_embedder(spec.model_path, "cpu", spec.precision)
-    store, encoding = ChunkStore(spec.data_dir), get_tokenizer(spec.tokenizer)
+    stores, encoding = [ChunkStore(d) for d in spec.data_dirs], get_tokenizer(spec.tokenizer)
     for job in jobs:
-        yield job, embed_job(model, store, encoding, job, spec.sub_batch)
+        yield job, embed_job(model, stores[job.part], encoding, job, spec.sub_batch)
 
 
-def plan_jobs(store: ChunkStore, split: str, shard: int, batch_size: int) -> list[EmbedJob]:
+def plan_jobs(store: ChunkStore, split: str, shard: int, batch_size: int, part: int = 0) -> list[EmbedJob]:
     """Jobs of one chunk-store shard: fixed slices, so a resume recomputes exactly the same batches."""
     offsets = np.cumsum([0] + store.manifest["shard_chunks"][split])
     start, stop = int(offsets[shard]), int(offsets[shard + 1])
-    return [EmbedJob(split, shard, s, min(s + batch_size, stop)) for s in range(start, stop, batch_size)]
+    return [EmbedJob(split, shard, s, min(s + batch_size, stop), part) for s in range(start, stop, batch_size)]
 
 
 def shard_file(name: str) -> str:
@@ -139,48 +141,69 @@ def embed_store(store: ChunkStore, out_dir: Path, embedder: str, batch_size: int
                 progress: Callable[[int], None] | None = None, precision: str = "fp32") -> dict:
     """Embed every chunk of every split into out_dir (resumable) with the embedder's weights in
     `precision` (resolved: fp32, bf16 or fp16); return the manifest."""
-    model_path = resolve_model_path(embedder)
-    identity = model_identity(model_path, embedder)
-    # fp32, the only precision before there was a choice, is left out: such a build stays complete.
-    inputs = {"version": MANIFEST_VERSION, "chunk_store_fingerprint": store.fingerprint, "model": identity,
-              **({"precision": precision} if precision != "fp32" else {})}
-    manifest = open_stage(out_dir, inputs)
-    if manifest is not None:
-        return {**manifest, "skipped": True}
+    return embed_stores([(store, Path(out_dir))], embedder, batch_size, runner, progress, precision)[0]
 
+
+def embed_stores(parts: list[tuple[ChunkStore, Path]], embedder: str, batch_size: int, runner: EmbedRunner,
+                 progress: Callable[[int], None] | None = None, precision: str = "fp32") -> list[dict]:
+    """`embed_store` for every (chunk store, out_dir) of a database in one pass of the runner: one
+    pool of embedding actors, each loading the model once, for all parts (a pass per part paid
+    the actors' start-up per part). Each part stays its own stage: skipped when complete, resumed
+    from its finished shards, its manifest written when its last shard is in."""
     import time
     begin = time.perf_counter()
-    names = {s: store.manifest["shards"][s] for s in SPLITS}
-    for split in SPLITS:
-        (out_dir / split).mkdir(parents=True, exist_ok=True)
-    todo = [(s, i) for s in SPLITS for i, name in enumerate(names[s]) if not (out_dir / s / shard_file(name)).exists()]
-    jobs = [job for s, i in todo for job in plan_jobs(store, s, i, batch_size)]
-    pending = {(s, i): len(plan_jobs(store, s, i, batch_size)) for s, i in todo}
-    parts: dict[tuple[str, int], list[tuple[int, np.ndarray]]] = {key: [] for key in todo}
-    dim = None
-    for key, count in pending.items():  # shards without chunks (a block with no validation document)
-        if count == 0:
-            parts.pop(key)
-    spec = EmbedSpec(str(Path(store.root).resolve()), str(Path(model_path).resolve()), store.manifest["tokenizer"],
-                     hub_name=hub_name(embedder), precision=precision)
-    embedded = 0
+    model_path = resolve_model_path(embedder)
+    identity = model_identity(model_path, embedder)
+
+    def inputs_of(store: ChunkStore) -> dict:
+        # fp32, the only precision before there was a choice, is left out: such a build stays complete.
+        return {"version": MANIFEST_VERSION, "chunk_store_fingerprint": store.fingerprint, "model": identity,
+                **({"precision": precision} if precision != "fp32" else {})}
+
+    manifests: list[dict | None] = []
+    names, pending, shards = [], {}, {}
+    jobs: list[EmbedJob] = []
+    for p, (store, out_dir) in enumerate(parts):
+        done = open_stage(out_dir, inputs_of(store))
+        manifests.append({**done, "skipped": True} if done is not None else None)
+        names.append({s: store.manifest["shards"][s] for s in SPLITS})
+        if done is not None:
+            if progress:
+                progress(sum(len(store.split(s)) for s in SPLITS))
+            continue
+        for split in SPLITS:
+            (out_dir / split).mkdir(parents=True, exist_ok=True)
+            for i, name in enumerate(names[p][split]):
+                if not (out_dir / split / shard_file(name)).exists():
+                    shard_jobs = plan_jobs(store, split, i, batch_size, p)
+                    jobs += shard_jobs
+                    if shard_jobs:  # a shard without chunks (a block with no validation document) is written empty
+                        pending[(p, split, i)], shards[(p, split, i)] = len(shard_jobs), []
+    spec = EmbedSpec(tuple(str(Path(store.root).resolve()) for store, _ in parts), str(Path(model_path).resolve()),
+                     parts[0][0].manifest["tokenizer"], hub_name=hub_name(embedder), precision=precision)
+    embedded, dim = [0] * len(parts), None
     for job, vectors in runner(spec, jobs):
-        key = (job.split, job.shard)
+        key = (job.part, job.split, job.shard)
         dim = vectors.shape[1]
-        parts[key].append((job.start, vectors))
-        embedded += len(vectors)
+        shards[key].append((job.start, vectors))
+        embedded[job.part] += len(vectors)
         if progress:
             progress(len(vectors))
-        if len(parts[key]) == pending[key]:  # shard complete: write it now, so a kill loses little
-            rows = np.concatenate([v for _, v in sorted(parts.pop(key), key=lambda p: p[0])])
-            save_npy(out_dir / job.split / shard_file(names[job.split][job.shard]), rows)
-    if parts:
-        raise RetrievalError(f"embedding runner returned no result for shards {sorted(parts)}")
-    _write_empty_shards(out_dir, names, dim)
-    manifest = _finalize(store, out_dir, inputs, names, model_path, identity, precision)
-    manifest["run"] = {"seconds": round(time.perf_counter() - begin, 2), "chunks_embedded": embedded,
-                       "chunks_per_second": round(embedded / max(time.perf_counter() - begin, 1e-9), 1)}
-    return manifest
+        if len(shards[key]) == pending[key]:  # shard complete: write it now, so a kill loses little
+            rows = np.concatenate([v for _, v in sorted(shards.pop(key), key=lambda x: x[0])])
+            save_npy(parts[job.part][1] / job.split / shard_file(names[job.part][job.split][job.shard]), rows)
+    if shards:
+        raise RetrievalError(f"embedding runner returned no result for shards {sorted(shards)}")
+    seconds = time.perf_counter() - begin
+    for p, (store, out_dir) in enumerate(parts):
+        if manifests[p] is not None:
+            continue
+        _write_empty_shards(out_dir, names[p], dim)
+        manifests[p] = _finalize(store, out_dir, inputs_of(store), names[p], model_path, identity, precision)
+        # The pass's time is shared by its parts: each records the pass's rate, over every part's chunks.
+        manifests[p]["run"] = {"seconds": round(seconds, 2), "chunks_embedded": embedded[p],
+                               "chunks_per_second": round(sum(embedded) / max(seconds, 1e-9), 1)}
+    return manifests
 
 
 def _write_empty_shards(out_dir: Path, names: dict, dim: int | None) -> None:

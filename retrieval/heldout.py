@@ -78,9 +78,9 @@ def embed_runner_on(device: str):
         if not jobs:
             return
         model = cached_embedder(spec.model_path, device, resolve_embed_precision(spec.precision, device))
-        store, encoding = ChunkStore(spec.data_dir), get_tokenizer(spec.tokenizer)
+        stores, encoding = [ChunkStore(d) for d in spec.data_dirs], get_tokenizer(spec.tokenizer)
         for job in jobs:
-            yield job, embed_job(model, store, encoding, job, spec.sub_batch)
+            yield job, embed_job(model, stores[job.part], encoding, job, spec.sub_batch)
     return runner
 
 

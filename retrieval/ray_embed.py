@@ -1,6 +1,7 @@
 """The thin Ray Data adapter of the embedding stage: a class UDF around `retrieval.embed.embed_job`.
 
-Jobs (split, shard, start, stop) go in as rows; `EmbedChunks` actors load the model once each
+Jobs (part, split, shard, start, stop) go in as rows, every part of the database in one pass;
+`EmbedChunks` actors load the model once each
 (a GPU per actor when the cluster has GPUs and retrieval.embed_device allows it) and return one
 row per chunk. When a worker dies, the jobs not yet delivered run again; a job's output only
 reaches the driver once it completed, and the driver writes a shard only when all its jobs are
@@ -38,30 +39,32 @@ class EmbedChunks:
         self.spec = spec
         self.model = load_embedder(local_model_path(spec.model_path, spec.hub_name), device=device, threads=threads,
                                    precision=spec.precision)
-        self.store, self.encoding = ChunkStore(spec.data_dir), get_tokenizer(spec.tokenizer)
+        self.stores, self.encoding = [ChunkStore(d) for d in spec.data_dirs], get_tokenizer(spec.tokenizer)
         self.node = ray.get_runtime_context().get_node_id()
         self.jobs_done = 0
 
     def embed_one(self, job: EmbedJob) -> np.ndarray:
         from retropipe.retrieval.embed import embed_job
 
-        return embed_job(self.model, self.store, self.encoding, job, self.spec.sub_batch)
+        return embed_job(self.model, self.stores[job.part], self.encoding, job, self.spec.sub_batch)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        splits, chunks, vectors = [], [], []
-        for split, shard, start, stop in zip(batch["split"], batch["shard"], batch["start"], batch["stop"]):
-            job = EmbedJob(SPLITS[int(split)], int(shard), int(start), int(stop))
+        parts, splits, chunks, vectors = [], [], [], []
+        for part, split, shard, start, stop in zip(batch["part"], batch["split"], batch["shard"], batch["start"],
+                                                   batch["stop"]):
+            job = EmbedJob(SPLITS[int(split)], int(shard), int(start), int(stop), int(part))
             vectors.append(self.embed_one(job))                      # (n, d) float16
             chunks.append(np.arange(job.start, job.stop, dtype=np.int64))
             splits.append(np.full(job.stop - job.start, split, dtype=np.int8))
+            parts.append(np.full(job.stop - job.start, part, dtype=np.int32))
             self.jobs_done += 1
             # Tests of losing a node: RETROPIPE_KILL_NODE_AFTER=embed:N (in one node's environment)
             # kills this node's raylet, with every worker on it, once an actor there has embedded N jobs.
             if os.environ.get(KILL_NODE_ENV) == f"embed:{self.jobs_done}":
                 os.kill(os.getppid(), signal.SIGKILL)
         rows = sum(len(c) for c in chunks)
-        return {"split": np.concatenate(splits), "chunk": np.concatenate(chunks), "embedding": np.concatenate(vectors),
-                "node": np.full(rows, self.node)}
+        return {"part": np.concatenate(parts), "split": np.concatenate(splits), "chunk": np.concatenate(chunks),
+                "embedding": np.concatenate(vectors), "node": np.full(rows, self.node)}
 
 
 def quiet_ray_data() -> None:
@@ -132,11 +135,11 @@ class RayEmbedRunner:
             delivered = set()
             try:
                 for job, vectors in self._run(spec, pending):
-                    delivered.add((job.split, job.start))
+                    delivered.add((job.part, job.split, job.start))
                     yield job, vectors
                 return
             except (RayActorError, WorkerCrashedError, NodeDiedError) as e:
-                pending = [j for j in pending if (j.split, j.start) not in delivered]
+                pending = [j for j in pending if (j.part, j.split, j.start) not in delivered]
                 if attempt == self.max_retries:
                     raise
                 self.log(f"embed: a Ray worker died ({type(e).__name__}); retrying {len(pending)} "
@@ -157,8 +160,9 @@ class RayEmbedRunner:
         # A replacement actor that dies while loading the model is replaced again, a few times.
         ctx.max_consecutive_actor_init_deaths = max(ctx.max_consecutive_actor_init_deaths, 2)
         device, resources, threads = self.resources(ray)
-        by_key = {(SPLITS.index(j.split), j.start): j for j in jobs}
-        rows = [{"split": SPLITS.index(j.split), "shard": j.shard, "start": j.start, "stop": j.stop} for j in jobs]
+        by_key = {(j.part, SPLITS.index(j.split), j.start): j for j in jobs}
+        rows = [{"part": j.part, "split": SPLITS.index(j.split), "shard": j.shard, "start": j.start, "stop": j.stop}
+                for j in jobs]
         ds = ray.data.from_items(rows, override_num_blocks=max(1, min(len(rows), 4 * self.actors * 8)))
         # A dead actor fails this execution; __call__ retries what was not delivered
         # (tests/retrieval/test_retrieval_ray.py kills an actor to check).
@@ -169,20 +173,20 @@ class RayEmbedRunner:
         waiting: dict[tuple[int, int], list] = {}
         starts = {}
         for j in jobs:
-            starts.setdefault(SPLITS.index(j.split), []).append(j.start)
+            starts.setdefault((j.part, SPLITS.index(j.split)), []).append(j.start)
         starts = {s: np.array(sorted(v)) for s, v in starts.items()}
         for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
-            for split in np.unique(batch["split"]):
-                sel = batch["split"] == split
+            for part, split in {(int(p), int(s)) for p, s in zip(batch["part"], batch["split"])}:
+                sel = (batch["part"] == part) & (batch["split"] == split)
                 chunk, vectors = batch["chunk"][sel], batch["embedding"][sel]
-                owner = starts[int(split)][np.searchsorted(starts[int(split)], chunk, side="right") - 1]
+                owner = starts[(part, split)][np.searchsorted(starts[(part, split)], chunk, side="right") - 1]
                 for start in np.unique(owner):
-                    key = (int(split), int(start))
-                    part = owner == start
-                    waiting.setdefault(key, []).append((chunk[part], vectors[part]))
+                    key = (part, split, int(start))
+                    mine = owner == start
+                    waiting.setdefault(key, []).append((chunk[mine], vectors[mine]))
                     job = by_key[key]
                     if sum(len(c) for c, _ in waiting[key]) == job.stop - job.start:
-                        self.placements[str(batch["node"][sel][part][0])] += 1
+                        self.placements[str(batch["node"][sel][mine][0])] += 1
                         pieces = waiting.pop(key)
                         ids = np.concatenate([c for c, _ in pieces])
                         vecs = np.concatenate([v for _, v in pieces])[np.argsort(ids, kind="stable")]

@@ -69,6 +69,45 @@ def test_sliding_window_scores_every_token_once(tiny):
         score_split(model, chunks, token_byte_lengths(enc), window=30, stride=10)
 
 
+class TableNeighbours:
+    """A neighbour source over a fixed (chunks, k, r) table of tokens (evaluate_models reads any)."""
+
+    def __init__(self, table):
+        self.table, self.reading = table, self
+
+    def neighbour_tokens(self, split, ids, k):
+        return self.table[ids][..., :k, :].copy()
+
+    def but(self, **_):
+        return self
+
+    def read_as(self, _):
+        return TableNeighbours(self.table[::-1].copy())  # SHUFFLED: another chunk's neighbours
+
+
+def test_a_database_curve_point_that_reads_what_retro_on_read_is_not_scored_again(tiny):
+    from retropipe.training.evaluation.config import EvalConfig
+    from retropipe.training.evaluation.evaluate import evaluate_models
+    from retropipe.training.models.retro import Retro
+
+    chunks, _, enc = tiny
+    torch.manual_seed(0)
+    retro = Retro(ModelConfig(kind="retro", n_layer=2, n_head=2, n_embd=16, n_positions=64, chunk_len=8,
+                              encoder_layers=1, encoder_embd=8, encoder_head=2)).eval()
+    table = np.random.default_rng(0).integers(0, 1000, (len(chunks), 2, 16))
+    on = TableNeighbours(table)
+    other = TableNeighbours(np.where(np.arange(16) < 8, table, -1))   # the same chunks, no continuations
+    scored = []
+    report = evaluate_models([("retro", retro)], chunks, token_byte_lengths(enc),
+                             EvalConfig(window=16, stride=8, neighbours=2), on,
+                             [("fewer", 10, other), ("all", 20, TableNeighbours(table))],
+                             progress=lambda name: scored.append(name) or (lambda xs: xs))
+    assert scored == ["retro RETRO[ON] k=2", "retro RETRO[OFF]", "retro RETRO[SHUFFLED]",
+                      "retro RETRO[ON] k=2 (fewer)"]                         # "all" reused RETRO[ON]'s scores
+    fewer, full = report["database_curve"]["points"]
+    assert full["retro"] == report["rows"][0]["bits_per_byte"] != fewer["retro"]
+
+
 def test_scoring_makes_its_tensors_on_the_models_device(tiny):
     """The CUDA path checked on CPU: under a "meta" default device, a tensor made without device=
     would land on meta and fail against the CPU model; the scores are unchanged."""

@@ -289,3 +289,29 @@ def test_further_corpora_join_the_database_and_copies_of_evaluated_documents_sta
     tokens = db.neighbour_tokens(np.array([n0]))
     part = db.parts[1].split
     np.testing.assert_array_equal(tokens[0, :part.lengths[0]], part.tokens([0])[0, :part.lengths[0]])
+
+
+def test_every_part_of_the_database_is_embedded_in_one_pass(tmp_path, built):
+    """One call of the runner (one pool of Ray actors, each loading the model once) embeds the
+    training data and every further corpus; each part's bytes are what a pass of its own gives."""
+    from retropipe.data.config import DataConfig
+
+    ref_root, _, ref = built
+    shutil.copytree(ref_root / "data", tmp_path / "data")
+    extra = tmp_path / "extra.jsonl"
+    extra.write_text("".join(json.dumps({"id": f"x{i}", "text": t.replace(" the ", " a ")}) + "\n"
+                             for i, t in enumerate(TOPICS)))
+    calls = []
+
+    def counting(spec, jobs):
+        calls.append(sorted({job.part for job in jobs}))
+        yield from serial_embed_runner(spec, jobs)
+
+    result = build_retrieval(retrieval_cfg(corpora=[str(extra)]), ChunkStore(tmp_path / "data"), tmp_path / "retrieval",
+                             SEQ_CHUNKS, data_cfg=DataConfig(chunk_len=CHUNK_LEN), embed_runner=counting)
+    assert calls == [[0, 1]]
+    assert result["embeddings"]["sha256"] == ref["embeddings"]["sha256"]  # the training part, as alone
+    assert len(result["parts"]) == 2 and sum(result["parts"][1]["shard_chunks"]["train"]) > 0
+    again = build_retrieval(retrieval_cfg(corpora=[str(extra)]), ChunkStore(tmp_path / "data"), tmp_path / "retrieval",
+                            SEQ_CHUNKS, data_cfg=DataConfig(chunk_len=CHUNK_LEN), embed_runner=counting)
+    assert calls[1:] == [[]] and all(p.get("skipped") for p in again["parts"])  # complete: nothing embedded again
