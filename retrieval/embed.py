@@ -16,6 +16,7 @@ Layout of `<retrieval_dir>/embeddings/`:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -147,10 +148,9 @@ def embed_store(store: ChunkStore, out_dir: Path, embedder: str, batch_size: int
 def embed_stores(parts: list[tuple[ChunkStore, Path]], embedder: str, batch_size: int, runner: EmbedRunner,
                  progress: Callable[[int], None] | None = None, precision: str = "fp32") -> list[dict]:
     """`embed_store` for every (chunk store, out_dir) of a database in one pass of the runner: one
-    pool of embedding actors, each loading the model once, for all parts (a pass per part paid
-    the actors' start-up per part). Each part stays its own stage: skipped when complete, resumed
-    from its finished shards, its manifest written when its last shard is in."""
-    import time
+    pool of embedding actors, each loading the model once, for all parts (a pass per part paid the
+    actors' start-up per part). Each part stays its own stage: skipped when complete, resumed from
+    its finished shards, its manifest written when its last shard is in."""
     begin = time.perf_counter()
     model_path = resolve_model_path(embedder)
     identity = model_identity(model_path, embedder)
@@ -160,25 +160,16 @@ def embed_stores(parts: list[tuple[ChunkStore, Path]], embedder: str, batch_size
         return {"version": MANIFEST_VERSION, "chunk_store_fingerprint": store.fingerprint, "model": identity,
                 **({"precision": precision} if precision != "fp32" else {})}
 
-    manifests: list[dict | None] = []
-    names, pending, shards = [], {}, {}
-    jobs: list[EmbedJob] = []
+    manifests, names, pending, jobs = [], [], {}, []
     for p, (store, out_dir) in enumerate(parts):
         done = open_stage(out_dir, inputs_of(store))
         manifests.append({**done, "skipped": True} if done is not None else None)
         names.append({s: store.manifest["shards"][s] for s in SPLITS})
-        if done is not None:
-            if progress:
-                progress(sum(len(store.split(s)) for s in SPLITS))
-            continue
-        for split in SPLITS:
-            (out_dir / split).mkdir(parents=True, exist_ok=True)
-            for i, name in enumerate(names[p][split]):
-                if not (out_dir / split / shard_file(name)).exists():
-                    shard_jobs = plan_jobs(store, split, i, batch_size, p)
-                    jobs += shard_jobs
-                    if shard_jobs:  # a shard without chunks (a block with no validation document) is written empty
-                        pending[(p, split, i)], shards[(p, split, i)] = len(shard_jobs), []
+        if done is None:
+            jobs += _missing_shard_jobs(store, out_dir, names[p], batch_size, p, pending)
+        elif progress:
+            progress(sum(len(store.split(s)) for s in SPLITS))
+    shards: dict[tuple[int, str, int], list] = {key: [] for key in pending}
     spec = EmbedSpec(tuple(str(Path(store.root).resolve()) for store, _ in parts), str(Path(model_path).resolve()),
                      parts[0][0].manifest["tokenizer"], hub_name=hub_name(embedder), precision=precision)
     embedded, dim = [0] * len(parts), None
@@ -204,6 +195,22 @@ def embed_stores(parts: list[tuple[ChunkStore, Path]], embedder: str, batch_size
         manifests[p]["run"] = {"seconds": round(seconds, 2), "chunks_embedded": embedded[p],
                                "chunks_per_second": round(sum(embedded) / max(seconds, 1e-9), 1)}
     return manifests
+
+
+def _missing_shard_jobs(store: ChunkStore, out_dir: Path, names: dict, batch_size: int, part: int,
+                        pending: dict) -> list[EmbedJob]:
+    """The jobs of part `part`'s shards not written yet; pending[(part, split, shard)] = their count.
+    A shard without chunks (a block with no validation document) has none: it is written empty."""
+    jobs = []
+    for split in SPLITS:
+        (out_dir / split).mkdir(parents=True, exist_ok=True)
+        for i, name in enumerate(names[split]):
+            if not (out_dir / split / shard_file(name)).exists():
+                shard_jobs = plan_jobs(store, split, i, batch_size, part)
+                jobs += shard_jobs
+                if shard_jobs:
+                    pending[(part, split, i)] = len(shard_jobs)
+    return jobs
 
 
 def _write_empty_shards(out_dir: Path, names: dict, dim: int | None) -> None:
