@@ -6,7 +6,8 @@ Prints, measured side by side in one run, for each preset and precision: tokens/
 GPT-2 baseline and of RETRO on the same trunk (k = 2 neighbours of 2 · chunk_len tokens per
 chunk), their step-time ratio (goal: RETRO ≤ 1.2× baseline), and model FLOP utilisation:
 nanoGPT's estimate_mfu, 6N + 12·L·H·Q·T FLOPs per token (N = parameters without positions),
-against the matmul FLOP/s measured in the same run by timing a big matmul in the same dtype.
+against the matmul FLOP/s measured in the same run by timing a big matmul in the same dtype, and
+against GPT-2's own matmul shapes at this batch timed alone (the step's ceiling).
 Steps run as training runs them: the fused LM head (train.fused_head, the default) and, for
 bf16, a bf16 model (DeepSpeed's bf16 mode keeps the weights in bf16 and the fp32 master copy in
 its optimizer); `--bf16 autocast` measures fp32 weights under torch.autocast instead.
@@ -48,6 +49,41 @@ def matmul_flops(device: str, dtype: torch.dtype, size: int, reps: int) -> float
     a @ a
     sync(device)
     return matmul_flops_per_s(dtype, device, size, seconds=reps * (time.perf_counter() - t0))
+
+
+def model_matmul_flops(cfg, tokens: int, device: str, dtype: torch.dtype, reps: int = 3) -> float:
+    """FLOP/s of GPT-2's own matmuls at this batch, timed alone (best of reps): each block's four
+    linear layers (q/k/v, attention output, MLP in and out) and the LM head in slices of
+    lm_head.SLICE_TOKENS, each forward and both backward products. The ceiling a step of this
+    shape can reach with every other operation free: the 2048² peak overstates it where a
+    dimension is as small as n_embd."""
+    from retropipe.training.models.lm_head import SLICE_TOKENS
+
+    d, vocab = cfg.n_embd, 50257
+    products = [(tokens, i, o) for i, o in ((d, 3 * d), (d, d), (d, 4 * d), (4 * d, d))]   # (rows, in, out)
+    weights = {(i, o): torch.randn(i, o, device=device, dtype=dtype) for _, i, o in products}
+    xs = {i: torch.randn(tokens, i, device=device, dtype=dtype) for _, i, _ in products}
+    gs = {o: torch.randn(tokens, o, device=device, dtype=dtype) for _, _, o in products}
+    head_w = torch.randn(vocab, d, device=device, dtype=dtype)
+    head_h = torch.randn(min(SLICE_TOKENS, tokens), d, device=device, dtype=dtype)
+    head_g = torch.randn(min(SLICE_TOKENS, tokens), vocab, device=device, dtype=dtype)
+
+    def run():
+        for _ in range(cfg.n_layer):
+            for _, i, o in products:
+                xs[i] @ weights[(i, o)], gs[o] @ weights[(i, o)].t(), xs[i].t() @ gs[o]
+        for _ in range(max(tokens // SLICE_TOKENS, 1)):
+            head_h @ head_w.t(), head_g @ head_w, head_g.t() @ head_h
+    flops = 6 * tokens * (cfg.n_layer * sum(i * o for _, i, o in products) + d * vocab)
+    run()
+    best = float("inf")
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        run()
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return flops / best
 
 
 def one_step(model, batch, device: str, autocast_dtype: torch.dtype | None) -> float:
@@ -105,7 +141,7 @@ def main(argv=None) -> int:
         for label, dtype in dtypes.items():
             peak[label] = max(peak[label], matmul_flops(device, dtype, 8192 if cuda else 2048, 20 if cuda else 5))
 
-    rows = []
+    rows, shapes_peak = [], {}
     for preset in args.presets.split(","):
         batch_size = args.batch or ({"tiny": 4}.get(preset, 1) * (8 if cuda else 1))
         g = torch.Generator().manual_seed(0)
@@ -119,6 +155,7 @@ def main(argv=None) -> int:
             models[kind] = (cfg, build_model(cfg, fused_head=True).to(device))
         for label, dtype in dtypes.items():
             measure_peak()
+            shapes_peak[(preset, label)] = model_matmul_flops(models["gpt2"][0], batch_size * seq_len, device, dtype)
             as_weights = dtype != torch.float32 and args.bf16 == "weights"
             runs = {kind: (model.to(dtype if as_weights else torch.float32),
                            (x, y) if kind == "gpt2" else (x, neighbours.to(device), y))
@@ -127,19 +164,27 @@ def main(argv=None) -> int:
             best = step_times(runs, device, autocast, warmup, iters)
             for kind, (cfg, model) in models.items():
                 n = sum(p.numel() for p in model.parameters())
-                rows.append((preset, label, kind, n, batch_size, best[kind], best[kind] / best["gpt2"],
-                             flops_per_token(cfg, seq_len)))
+                fpt = flops_per_token(cfg, seq_len)
+                rows.append((preset, label, kind, n, batch_size, best[kind], best[kind] / best["gpt2"], fpt,
+                             fpt - 12 * cfg.n_layer * cfg.n_embd * seq_len))   # 6N: without attention
                 print(f"  measured {preset} {label} {kind}: {best[kind]:.3f} s/step", flush=True)
         del models
     measure_peak()
     for label in dtypes:
         print(f"matmul {label}: {peak[label] / 1e9:,.1f} GFLOP/s (best in this run)")
+    for (preset, label), flops in shapes_peak.items():
+        print(f"matmul {label}, {preset} GPT-2's own shapes: {flops / 1e9:,.1f} GFLOP/s "
+              f"({flops / peak[label]:.0%} of the {label} peak)")
+    print("MFU: against the big matmul's peak. matmuls: the share of GPT-2's step its linear layers and head "
+          "(6N FLOPs per token) take at the speed of its own shapes timed alone; the rest is attention and "
+          "everything not a matmul")
     print(f"\n{'preset':<11} {'dtype':<5} {'model':<6} {'params':>12} {'batch':>5} {'step s':>8} "
-          f"{'tokens/s':>10} {'MFU':>6} {'RETRO/base':>10}")
-    for preset, label, kind, n, batch_size, t, ratio, fpt in rows:
+          f"{'tokens/s':>10} {'MFU':>6} {'matmuls':>8} {'RETRO/base':>10}")
+    for preset, label, kind, n, batch_size, t, ratio, fpt, linear in rows:
         tps = batch_size * seq_len / t
+        share = f"{mfu(linear, tps, shapes_peak[(preset, label)]):.1%}" if kind == "gpt2" else ""
         print(f"{preset:<11} {label:<5} {kind:<6} {n:>12,} {batch_size:>5} {t:>8.3f} {tps:>10,.0f} "
-              f"{mfu(fpt, tps, peak[label]):>6.1%} {f'{ratio:.2f}x' if kind == 'retro' else '':>10}")
+              f"{mfu(fpt, tps, peak[label]):>6.1%} {share:>8} {f'{ratio:.2f}x' if kind == 'retro' else '':>10}")
     return 0
 
 
