@@ -308,23 +308,3 @@ def test_attention_in_bf16_training_on_cpu_is_sdpas_function(mask_kind):
     if mask_kind == "bool":
         leaves = [x.detach().bfloat16().requires_grad_() for x in (q, k, v + 100 * (torch.arange(7) == 1)[:, None])]
         assert torch.equal(attention(*leaves, mask).float(), results[1][0])
-
-
-def test_rotary_is_the_textbook_rotation_and_its_gradient():
-    """cca.rotary (three kernels, nothing of x kept for backward) against x1·cos − x2·sin,
-    x2·cos + x1·sin through autograd: values and gradients in float64, and gradcheck."""
-    from retropipe.training.models.cca import rotary
-
-    def textbook(x, pos, base):
-        c = x.shape[-1]
-        angles = (pos.float()[:, None] * base ** (-torch.arange(0, c, 2) / c)[None]).double()  # fp32, as rotary's
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat([x1 * angles.cos() - x2 * angles.sin(), x2 * angles.cos() + x1 * angles.sin()], dim=-1)
-
-    torch.manual_seed(0)
-    x = torch.randn(2, 3, 5, 8, dtype=torch.float64, requires_grad=True)
-    pos, g = torch.tensor([0, 3, 4, 9, 63]), torch.randn(2, 3, 5, 8, dtype=torch.float64)
-    ours, ref = rotary(x, pos, 10000.0), textbook(x, pos, 10000.0)
-    torch.testing.assert_close(ours, ref)
-    torch.testing.assert_close(torch.autograd.grad(ours, x, g)[0], torch.autograd.grad(ref, x, g)[0])
-    assert torch.autograd.gradcheck(lambda x: rotary(x, pos, 100.0), (x,))

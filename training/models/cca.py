@@ -23,33 +23,9 @@ def rotary(x: torch.Tensor, pos: torch.Tensor, base: float) -> torch.Tensor:
     c = x.shape[-1]
     inv_freq = base ** (-torch.arange(0, c, 2, device=x.device, dtype=torch.float32) / c)
     angles = pos.to(torch.float32)[:, None] * inv_freq[None]  # (t, c/2), fp32 even under autocast
-    cos, sin = angles.cos(), angles.sin()
-    return _Rotate.apply(x, torch.cat([cos, cos], -1).to(x.dtype), torch.cat([-sin, sin], -1).to(x.dtype))
-
-
-def swap_halves(x: torch.Tensor) -> torch.Tensor:
-    """(x1, x2) → (x2, x1) along the last dimension."""
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x2, x1], dim=-1)
-
-
-class _Rotate(torch.autograd.Function):
-    """x·C + swap(x)·S with C = (cos, cos), S = (−sin, sin): x1·cos − x2·sin, x2·cos + x1·sin.
-
-    Three kernels where the textbook form takes seven, and nothing of x kept for backward: the
-    gradient is the inverse rotation of the incoming one, g·C − swap(g)·S. RETRO rotates every
-    query and key of the encoder and the CCA (k·r keys per chunk), so this is most of the
-    elementwise work it adds to GPT-2 (docs/benchmarks.md)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(cos, sin)
-        return torch.addcmul(x * cos, swap_halves(x), sin)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        cos, sin = ctx.saved_tensors
-        return torch.addcmul(grad * cos, swap_halves(grad), sin, value=-1), None, None
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 def key_mask(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,28 +179,24 @@ class ChunkedCrossAttention(nn.Module):
         bias = self.position_bias_scale * self.position_bias[:, offsets][None]   # (1, heads, t, k r)
         null = None
         if self.copy_gate:
-            bias = self.match_logits(neighbours, current, bias)                   # (B, heads, t, k r)
+            bias = bias + self.match_logits(neighbours, current)                  # (B, heads, t, k r)
             null = (self.null_key, self.gate_scale * self.null_bias)
         y = self.attn(q, context, q_pos, k_pos, mask, bias, null)  # (B, t, d)
         return y * rearrange(any_valid, "B 1 1 1 -> B 1 1").to(y.dtype)  # no neighbour → exact zero
 
-    def match_logits(self, neighbours: torch.Tensor, current: torch.Tensor,
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
-        """(B, heads, t, k r): bias (broadcastable to that; None = 0) plus the copy gate's bonus on
-        neighbour token j where token j - 1 of the same neighbour is the query's current token (the
-        neighbour matches the text just read, so its token j may be the next one), and more where
-        token j - 2 is also the one before it. current (B, t, 2): each query's token and the one before."""
+    def match_logits(self, neighbours: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+        """(B, heads, t, k r): the copy gate's bonus on neighbour token j where token j - 1 of the
+        same neighbour is the query's current token (the neighbour matches the text just read, so
+        its token j may be the next one), and more where token j - 2 is also the one before it.
+        current (B, t, 2): each query's token and the one before."""
         previous, previous2 = (rearrange(F.pad(neighbours, (s, -s), value=-1), "B k r -> B 1 (k r)")
                                for s in (1, 2))                                          # tokens j - 1, j - 2
         match = (previous == current[:, :, None, 0]) & (previous >= 0)                   # (B, t, k r)
         bigram = match & (previous2 == current[:, :, None, 1]) & (previous2 >= 0)
         dtype = self.match_bias.dtype
-        if bias is None:
-            bias = torch.zeros((), dtype=dtype, device=neighbours.device)
-        # Two fused multiply-adds over (B, heads, t, k r), the per-head weights scaled while still
-        # (heads,) vectors: the bonus is the largest elementwise work of a CCA (docs/benchmarks.md).
-        out = torch.addcmul(bias, match[:, None].to(dtype), (self.gate_scale * self.match_bias).view(-1, 1, 1))
-        return out.addcmul_(bigram[:, None].to(dtype), (self.gate_scale * self.bigram_bias).view(-1, 1, 1))
+        bonus = (self.match_bias[None, :, None, None] * match[:, None].to(dtype)
+                 + self.bigram_bias[None, :, None, None] * bigram[:, None].to(dtype))
+        return self.gate_scale * bonus
 
     def decode(self, h: torch.Tensor, start: int, encoded: torch.Tensor | None, neighbours: torch.Tensor,
                tokens: torch.Tensor | None = None) -> torch.Tensor:
