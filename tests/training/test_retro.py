@@ -78,6 +78,14 @@ def test_masked_neighbours_give_exactly_the_trunk(gate):
     assert torch.equal(net(tokens, off), gpt2(tokens))
     assert torch.equal(net(tokens), gpt2(tokens))  # neighbours=None is RETRO[OFF]
     assert not torch.equal(net(tokens, neighbours), gpt2(tokens))
+    # Without gradients (evaluation) RETRO[OFF] skips the encoder and the CCA: the same logits.
+    encoder_calls = []
+    net.blocks[net.cfg.cca_blocks()[0]].encoder.register_forward_hook(lambda *_: encoder_calls.append(1))
+    with torch.no_grad():
+        assert torch.equal(net(tokens, off), gpt2(tokens)) and torch.equal(net(tokens), gpt2(tokens))
+        assert not encoder_calls
+        net(tokens, neighbours)
+    assert encoder_calls == [1]
 
 
 def test_missing_neighbours_give_finite_values_and_gradients():
