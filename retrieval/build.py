@@ -134,7 +134,7 @@ def summary(result: dict) -> str:
     lines = [f"embeddings  {done(emb)}: {emb['model']} dim {emb['dim']} {emb.get('precision', 'fp32')} "
              f"({sum(emb['shard_chunks']['train'])} train + {sum(emb['shard_chunks']['validation'])} validation chunks)"]
     if not emb.get("skipped") and emb.get("run"):
-        lines[-1] += f"; {emb['run']['chunks_per_second']:.1f} chunks/s"
+        lines[-1] += f"; {emb['run']['chunks_per_second']:.1f} chunks/s over every part embedded"
     lines.append(f"database    {len(db['parts'])} part(s), {db['chunks']:,} chunks, {db['tokens']:,} tokens: "
                  + ", ".join(f"{p['name']} ({p['chunks']:,} chunks)" for p in db["parts"]))
     lines.append(f"index       {done(idx)}: {idx['factory']!r} ({idx['merge']} merge), {idx['ntotal']} vectors")

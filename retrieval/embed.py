@@ -4,8 +4,9 @@
     vectors = embed(model, ["some text", "more text"])     # (2, d) float32, unit length
 
 `embed` is the pure core; `embed_job` turns a range of chunk ids into text and embeds it. The
-driver (`embed_store`) cuts every split into jobs of `retrieval.embed_batch_size` chunks and hands
-them to a runner: `serial_embed_runner` (in-process, tests) or `retrieval.ray_embed.RayEmbedRunner`
+driver (`embed_stores`, for every part of a database at once; `embed_store` for one chunk store)
+cuts every split into jobs of `retrieval.embed_batch_size` chunks and hands them, in one call, to
+a runner: `serial_embed_runner` (in-process, tests) or `retrieval.ray_embed.RayEmbedRunner`
 (Ray Data actors). A job is always the same chunks, whoever runs it, so the bytes written do not
 depend on the runner, the number of actors or a resume.
 
