@@ -191,3 +191,23 @@ def test_runs_and_models_from_before_the_copy_gate_are_read_as_without_it(tmp_pa
     del saved["copy_gate"]
     (tmp_path / "m" / "config.json").write_text(json.dumps(saved))
     assert not load_model(tmp_path / "m").cfg.copy_gate
+
+
+def test_a_start_error_is_printed_by_rank_0_at_once_and_by_another_rank_only_if_it_outlives_the_grace(
+        monkeypatch, capsys):
+    """Every rank fails the same checks, and the launcher stops all ranks when the first exits: rank
+    0 prints at once, another rank only after launch/train.py's ERROR_GRACE (by then rank 0 has ended
+    the job if it failed too), naming itself, so a rank that fails alone still says why."""
+    import time
+
+    from retropipe.launch import train
+
+    monkeypatch.setattr(train, "ERROR_GRACE", 0.3)
+    began = time.perf_counter()
+    train.report_error(0, "config key 'train.steps': 8, but ...")
+    assert time.perf_counter() - began < 0.2
+    assert capsys.readouterr().err == "train: error: config key 'train.steps': 8, but ...\n"
+    began = time.perf_counter()
+    train.report_error(1, "no chunk store")
+    assert time.perf_counter() - began >= 0.3
+    assert capsys.readouterr().err == "train: error (rank 1): no chunk store\n"
