@@ -59,7 +59,7 @@ def model_matmul_flops(cfg, tokens: int, device: str, dtype: torch.dtype, reps: 
     dimension is as small as n_embd."""
     from retropipe.training.models.lm_head import SLICE_TOKENS
 
-    d, vocab = cfg.n_embd, 50257
+    d, vocab = cfg.n_embd, cfg.vocab_size
     products = [(tokens, i, o) for i, o in ((d, 3 * d), (d, d), (d, 4 * d), (4 * d, d))]   # (rows, in, out)
     weights = {(i, o): torch.randn(i, o, device=device, dtype=dtype) for _, i, o in products}
     xs = {i: torch.randn(tokens, i, device=device, dtype=dtype) for _, i, _ in products}
@@ -67,13 +67,14 @@ def model_matmul_flops(cfg, tokens: int, device: str, dtype: torch.dtype, reps: 
     head_w = torch.randn(vocab, d, device=device, dtype=dtype)
     head_h = torch.randn(min(SLICE_TOKENS, tokens), d, device=device, dtype=dtype)
     head_g = torch.randn(min(SLICE_TOKENS, tokens), vocab, device=device, dtype=dtype)
+    slices = [min(SLICE_TOKENS, tokens - s) for s in range(0, tokens, SLICE_TOKENS)]  # rows per head slice
 
     def run():
         for _ in range(cfg.n_layer):
             for _, i, o in products:
                 xs[i] @ weights[(i, o)], gs[o] @ weights[(i, o)].t(), xs[i].t() @ gs[o]
-        for _ in range(max(tokens // SLICE_TOKENS, 1)):
-            head_h @ head_w.t(), head_g @ head_w, head_g.t() @ head_h
+        for rows in slices:
+            head_h[:rows] @ head_w.t(), head_g[:rows] @ head_w, head_g[:rows].t() @ head_h[:rows]
     flops = 6 * tokens * (cfg.n_layer * sum(i * o for _, i, o in products) + d * vocab)
     run()
     best = float("inf")
@@ -180,9 +181,9 @@ def main(argv=None) -> int:
           "everything not a matmul")
     print(f"\n{'preset':<11} {'dtype':<5} {'model':<6} {'params':>12} {'batch':>5} {'step s':>8} "
           f"{'tokens/s':>10} {'MFU':>6} {'matmuls':>8} {'RETRO/base':>10}")
-    for preset, label, kind, n, batch_size, t, ratio, fpt, linear in rows:
+    for preset, label, kind, n, batch_size, t, ratio, fpt, matmul_fpt in rows:
         tps = batch_size * seq_len / t
-        share = f"{mfu(linear, tps, shapes_peak[(preset, label)]):.1%}" if kind == "gpt2" else ""
+        share = f"{mfu(matmul_fpt, tps, shapes_peak[(preset, label)]):.1%}" if kind == "gpt2" else ""
         print(f"{preset:<11} {label:<5} {kind:<6} {n:>12,} {batch_size:>5} {t:>8.3f} {tps:>10,.0f} "
               f"{mfu(fpt, tps, peak[label]):>6.1%} {share:>8} {f'{ratio:.2f}x' if kind == 'retro' else '':>10}")
     return 0

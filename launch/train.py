@@ -32,16 +32,18 @@ from retropipe.training.run.start import plan_start
 # Seconds the ranks of all nodes have to meet at the start (at least train.dist_timeout): a
 # scheduler may start one node minutes after another.
 JOIN_TIMEOUT = 600.0
-# Seconds a rank other than 0 waits before it reports an error and exits (report_error).
+# Seconds a rank other than 0 waits before it reports a start error and exits (report_start_error).
 ERROR_GRACE = 3.0
 
 
-def report_error(rank: int, message: str) -> None:
-    """Say why this rank stops, once for the whole job. Every rank checks the same things, and the
-    launcher stops every rank as soon as the first one exits: were the others to exit at once, one
-    could end the job before rank 0 had printed, and the user would read nothing. So rank 0 prints
-    at once; another rank prints (naming itself) only if it is still running ERROR_GRACE seconds
-    later, i.e. when it failed where rank 0 did not (a file missing on its node, say)."""
+def report_start_error(rank: int, message: str) -> None:
+    """Say why this rank stops before the process group forms, once for the whole job. Every rank
+    checks the same things, and the launcher stops every rank as soon as the first one exits: were
+    the others to exit at once, one could end the job before rank 0 had printed, and the user would
+    read nothing. So rank 0 prints at once; another rank prints (naming itself) only if it is still
+    running ERROR_GRACE seconds later, i.e. when it failed where rank 0 did not (a file missing on
+    its node, say). Not after the group forms: the watchdog then keeps a rank alive through the
+    launcher's SIGTERM and would report rank 0 lost; errors there are rank 0's to print."""
     if rank != 0:
         import time
 
@@ -128,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         start = plan_start(cfg, run_dir, world, parts)  # fresh, resume (or extend), branch, complete
         claim_run_dir(cfg, run_dir, write=rank == 0)
     except (ConfigError, DataError, TrainingError) as e:
-        report_error(rank, str(e))
+        report_start_error(rank, str(e))
         return 2
     if start.kind == "complete":
         if rank == 0:
@@ -157,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         check_shared_run_dir(run_dir, device)
         return train(cfg, store, neighbours, run_dir, start, rank, progress=not args.no_progress)
     except TrainingError as e:
-        report_error(rank, str(e))
+        if rank == 0:
+            print(f"train: error: {e}", file=sys.stderr)
         return 2
     except RuntimeError:  # a collective failed: a peer's socket reset, or the collective timed out
         if watchdog:
@@ -178,7 +181,8 @@ def train(cfg, store, neighbours, run_dir: Path, start, rank: int, progress: boo
         pipe = Pipeline(cfg.model, cfg.train, warm_start=start.kind == "fresh")
         trainer = Trainer(cfg, pipe, store, neighbours, run_dir, start, progress=progress)
     except TrainingError as e:
-        report_error(rank, str(e))
+        if rank == 0:
+            print(f"train: error: {e}", file=sys.stderr)
         return 2
     if rank == 0:
         parts, descs = pipe.parts, pipe.descs
@@ -194,7 +198,8 @@ def train(cfg, store, neighbours, run_dir: Path, start, rank: int, progress: boo
     try:
         drift = check_tied_weights(pipe, "at the end of training", trainer.dtype)
     except TrainingError as e:
-        report_error(rank, f"{e}; the run is not marked complete")
+        if rank == 0:
+            print(f"train: error: {e}; the run is not marked complete", file=sys.stderr)
         return 1
     state = pipe.gather_state_dict()
     if rank == 0:

@@ -133,8 +133,10 @@ def summary(result: dict) -> str:
     done = lambda m: "skipped (complete)" if m.get("skipped") else "built"  # noqa: E731
     lines = [f"embeddings  {done(emb)}: {emb['model']} dim {emb['dim']} {emb.get('precision', 'fp32')} "
              f"({sum(emb['shard_chunks']['train'])} train + {sum(emb['shard_chunks']['validation'])} validation chunks)"]
-    if not emb.get("skipped") and emb.get("run"):
-        lines[-1] += f"; {emb['run']['chunks_per_second']:.1f} chunks/s over every part embedded"
+    embedded = [p for p in result.get("parts", [emb]) if not p.get("skipped") and p.get("run")]
+    if embedded:  # one pass over every part not yet embedded: its rate, whichever parts it took
+        lines[-1] += (f"; this build embedded {sum(p['run']['chunks_embedded'] for p in embedded):,} chunks "
+                      f"at {embedded[0]['run']['chunks_per_second']:.1f} chunks/s")
     lines.append(f"database    {len(db['parts'])} part(s), {db['chunks']:,} chunks, {db['tokens']:,} tokens: "
                  + ", ".join(f"{p['name']} ({p['chunks']:,} chunks)" for p in db["parts"]))
     lines.append(f"index       {done(idx)}: {idx['factory']!r} ({idx['merge']} merge), {idx['ntotal']} vectors")

@@ -152,7 +152,6 @@ def embed_stores(parts: list[tuple[ChunkStore, Path]], embedder: str, batch_size
     pool of embedding actors, each loading the model once, for all parts (a pass per part paid the
     actors' start-up per part). Each part stays its own stage: skipped when complete, resumed from
     its finished shards, its manifest written when its last shard is in."""
-    begin = time.perf_counter()
     model_path = resolve_model_path(embedder)
     identity = model_identity(model_path, embedder)
 
@@ -166,14 +165,14 @@ def embed_stores(parts: list[tuple[ChunkStore, Path]], embedder: str, batch_size
         done = open_stage(out_dir, inputs_of(store))
         manifests.append({**done, "skipped": True} if done is not None else None)
         names.append({s: store.manifest["shards"][s] for s in SPLITS})
-        if done is None:
-            jobs += _missing_shard_jobs(store, out_dir, names[p], batch_size, p, pending)
-        elif progress:
-            progress(sum(len(store.split(s)) for s in SPLITS))
+        missing = _missing_shard_jobs(store, out_dir, names[p], batch_size, p, pending) if done is None else []
+        jobs += missing
+        if progress:  # what is on disk already: a complete part, or a resumed part's finished shards
+            progress(sum(len(store.split(s)) for s in SPLITS) - sum(j.stop - j.start for j in missing))
     shards: dict[tuple[int, str, int], list] = {key: [] for key in pending}
     spec = EmbedSpec(tuple(str(Path(store.root).resolve()) for store, _ in parts), str(Path(model_path).resolve()),
                      parts[0][0].manifest["tokenizer"], hub_name=hub_name(embedder), precision=precision)
-    embedded, dim = [0] * len(parts), None
+    embedded, dim, begin = [0] * len(parts), None, time.perf_counter()
     for job, vectors in runner(spec, jobs):
         key = (job.part, job.split, job.shard)
         dim = vectors.shape[1]
@@ -186,15 +185,14 @@ def embed_stores(parts: list[tuple[ChunkStore, Path]], embedder: str, batch_size
             save_npy(parts[job.part][1] / job.split / shard_file(names[job.part][job.split][job.shard]), rows)
     if shards:
         raise RetrievalError(f"embedding runner returned no result for shards {sorted(shards)}")
+    # The pass's time is shared by its parts: each records the pass's rate, over every part's chunks.
     seconds = time.perf_counter() - begin
+    run = {"seconds": round(seconds, 2), "chunks_per_second": round(sum(embedded) / max(seconds, 1e-9), 1)}
     for p, (store, out_dir) in enumerate(parts):
-        if manifests[p] is not None:
-            continue
-        _write_empty_shards(out_dir, names[p], dim)
-        manifests[p] = _finalize(store, out_dir, inputs_of(store), names[p], model_path, identity, precision)
-        # The pass's time is shared by its parts: each records the pass's rate, over every part's chunks.
-        manifests[p]["run"] = {"seconds": round(seconds, 2), "chunks_embedded": embedded[p],
-                               "chunks_per_second": round(sum(embedded) / max(seconds, 1e-9), 1)}
+        if manifests[p] is None:
+            _write_empty_shards(out_dir, names[p], dim)
+            manifests[p] = {**_finalize(store, out_dir, inputs_of(store), names[p], model_path, identity, precision),
+                            "run": {**run, "chunks_embedded": embedded[p]}}
     return manifests
 
 

@@ -1,12 +1,12 @@
 """The thin Ray Data adapter of the embedding stage: a class UDF around `retrieval.embed.embed_job`.
 
 Jobs (part, split, shard, start, stop) go in as rows, every part of the database in one pass;
-`EmbedChunks` actors load the model once each
-(a GPU per actor when the cluster has GPUs and retrieval.embed_device allows it) and return one
-row per chunk. When a worker dies, the jobs not yet delivered run again; a job's output only
-reaches the driver once it completed, and the driver writes a shard only when all its jobs are
-in, so a retry cannot leave half a shard behind. The chunk store and the retrieval dir must be on storage every node
-sees (a shared filesystem on a multi-node cluster).
+`EmbedChunks` actors load the model once each (a GPU per actor when the cluster has GPUs and
+retrieval.embed_device allows it) and return one row per chunk. When a worker dies, the jobs not
+yet delivered run again; a job's output only reaches the driver once it completed, and the driver
+writes a shard only when all its jobs are in, so a retry cannot leave half a shard behind. The
+chunk stores and the retrieval dir must be on storage every node sees (a shared filesystem on a
+multi-node cluster).
 """
 
 from __future__ import annotations
@@ -170,13 +170,13 @@ class RayEmbedRunner:
                             batch_size=1, compute=ray.data.ActorPoolStrategy(size=self.pool_size(ray, device, threads)),
                             batch_format="numpy", **resources)
         # Output rows are per chunk; regroup them into whole jobs before handing them on.
-        waiting: dict[tuple[int, int], list] = {}
+        waiting: dict[tuple[int, int, int], list] = {}  # (part, split, start) → the job's pieces so far
         starts = {}
         for j in jobs:
             starts.setdefault((j.part, SPLITS.index(j.split)), []).append(j.start)
         starts = {s: np.array(sorted(v)) for s, v in starts.items()}
         for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
-            for part, split in {(int(p), int(s)) for p, s in zip(batch["part"], batch["split"])}:
+            for part, split in np.unique(np.stack([batch["part"], batch["split"]], 1), axis=0).tolist():
                 sel = (batch["part"] == part) & (batch["split"] == split)
                 chunk, vectors = batch["chunk"][sel], batch["embedding"][sel]
                 owner = starts[(part, split)][np.searchsorted(starts[(part, split)], chunk, side="right") - 1]

@@ -293,7 +293,8 @@ def test_further_corpora_join_the_database_and_copies_of_evaluated_documents_sta
 
 def test_every_part_of_the_database_is_embedded_in_one_pass(tmp_path, built):
     """One call of the runner (one pool of Ray actors, each loading the model once) embeds the
-    training data and every further corpus; each part's bytes are what a pass of its own gives."""
+    training data and every further corpus; killed midway, the rerun embeds only what is missing;
+    each part's bytes are what a pass of its own gives."""
     from retropipe.data.config import DataConfig
 
     ref_root, _, ref = built
@@ -307,9 +308,20 @@ def test_every_part_of_the_database_is_embedded_in_one_pass(tmp_path, built):
         calls.append(sorted({job.part for job in jobs}))
         yield from serial_embed_runner(spec, jobs)
 
+    def dies_in_part_1(spec, jobs):  # killed once part 0 is done and part 1 has begun
+        jobs = sorted(jobs, key=lambda j: j.part)
+        for n, item in enumerate(serial_embed_runner(spec, jobs)):
+            if jobs[n].part == 1 and jobs[n - 1].part == 1:
+                raise Interrupt()
+            yield item
+
+    with pytest.raises(Interrupt):
+        build_retrieval(retrieval_cfg(corpora=[str(extra)]), ChunkStore(tmp_path / "data"), tmp_path / "retrieval",
+                        SEQ_CHUNKS, data_cfg=DataConfig(chunk_len=CHUNK_LEN), embed_runner=dies_in_part_1)
+    assert not (tmp_path / "retrieval" / "embeddings" / "manifest.json").exists()  # finished only at the pass's end
     result = build_retrieval(retrieval_cfg(corpora=[str(extra)]), ChunkStore(tmp_path / "data"), tmp_path / "retrieval",
                              SEQ_CHUNKS, data_cfg=DataConfig(chunk_len=CHUNK_LEN), embed_runner=counting)
-    assert calls == [[0, 1]]
+    assert calls == [[1]]  # the rerun embeds only what the killed pass had not written: part 1's rest
     assert result["embeddings"]["sha256"] == ref["embeddings"]["sha256"]  # the training part, as alone
     assert len(result["parts"]) == 2 and sum(result["parts"][1]["shard_chunks"]["train"]) > 0
     again = build_retrieval(retrieval_cfg(corpora=[str(extra)]), ChunkStore(tmp_path / "data"), tmp_path / "retrieval",

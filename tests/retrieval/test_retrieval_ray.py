@@ -104,7 +104,7 @@ import json, os, signal, sys
 from pathlib import Path
 from retropipe.data.store import ChunkStore
 from retropipe.launch.ray_utils import RayExecutor
-from retropipe.retrieval.embed import embed_store, runner_precision
+from retropipe.retrieval.embed import embed_stores, runner_precision
 from retropipe.retrieval.ray_embed import EmbedChunks, RayEmbedRunner
 
 address, data_dir, out, marker = sys.argv[1:5]
@@ -119,14 +119,19 @@ class KillsItselfOnce(EmbedChunks):
 executor = RayExecutor(address=address)
 try:
     runner = RayEmbedRunner(executor, actors=1, udf=KillsItselfOnce)
-    manifest = embed_store(ChunkStore(data_dir), Path(out), "", 8, runner, precision=runner_precision(runner, "auto"))
+    # Two parts with the same chunk ids (the same store twice): one pass must keep them apart.
+    store = ChunkStore(data_dir)
+    manifests = embed_stores([(store, Path(out) / "a"), (store, Path(out) / "b")], "", 8, runner,
+                             precision=runner_precision(runner, "auto"))
 finally:
     executor.close()
-print("MANIFEST " + json.dumps(manifest["shards"]))
+print("MANIFEST " + json.dumps(manifests[0]["shards"]))
 """
 
 
 def test_killed_ray_actor_is_retried_without_corrupting_output(built, tmp_path, ray_head):
+    """One pass over two parts whose chunk ids coincide, an actor killed midway: each part's
+    shards are the reference's."""
     ref_root, store, ref = built
     marker = tmp_path / "killed-once"
     proc = subprocess.run(["python", "-c", KILLED_DRIVER, ray_head[0], str(ref_root / "data"),
@@ -135,12 +140,13 @@ def test_killed_ray_actor_is_retried_without_corrupting_output(built, tmp_path, 
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert marker.exists()  # the worker was killed; Ray Data or the runner's retry redid its jobs
     shards = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("MANIFEST "))[9:])
-    for split in ("train", "validation"):
-        for name in shards[split]:
-            ours = np.load(tmp_path / "embeddings" / split / name, allow_pickle=False)
-            theirs = np.load(ref_root / "retrieval" / "embeddings" / split / name, allow_pickle=False)
-            assert ours.shape == theirs.shape
-            np.testing.assert_allclose(ours.astype(np.float32), theirs.astype(np.float32), atol=2e-3)
+    for part in ("a", "b"):
+        for split in ("train", "validation"):
+            for name in shards[split]:
+                ours = np.load(tmp_path / "embeddings" / part / split / name, allow_pickle=False)
+                theirs = np.load(ref_root / "retrieval" / "embeddings" / split / name, allow_pickle=False)
+                assert ours.shape == theirs.shape
+                np.testing.assert_allclose(ours.astype(np.float32), theirs.astype(np.float32), atol=2e-3)
 
 
 JOB_SETTINGS = [f"data.chunk_len={CHUNK_LEN}", "train.seq_len=32", "retrieval.embed_batch_size=8",

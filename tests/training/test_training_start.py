@@ -204,10 +204,10 @@ def test_a_start_error_is_printed_by_rank_0_at_once_and_by_another_rank_only_if_
 
     monkeypatch.setattr(train, "ERROR_GRACE", 0.3)
     began = time.perf_counter()
-    train.report_error(0, "config key 'train.steps': 8, but ...")
+    train.report_start_error(0, "config key 'train.steps': 8, but ...")
     assert time.perf_counter() - began < 0.2
     assert capsys.readouterr().err == "train: error: config key 'train.steps': 8, but ...\n"
     began = time.perf_counter()
-    train.report_error(1, "no chunk store")
+    train.report_start_error(1, "no chunk store")
     assert time.perf_counter() - began >= 0.3
     assert capsys.readouterr().err == "train: error (rank 1): no chunk store\n"

@@ -94,7 +94,7 @@ def evaluate_models(models: list[tuple[str, object]], chunks, byte_lengths: np.n
             point = {"database": size_label, "tokens": int(tokens)}
             # The whole database reads what RETRO[ON] read (the build's own neighbours, searched
             # again): the same inputs to a deterministic model, so its scores are reused, not recomputed.
-            same = neighbours is not None and same_reading(source, neighbours, chunks.split, count, e.neighbours)
+            same = neighbours is not None and same_neighbour_tokens(source, neighbours, chunks.split, count, e.neighbours)
             for label, model in retro:
                 on = f"{label} RETRO[ON] k={e.neighbours}"
                 point[label] = (scores[on] if same else
@@ -104,11 +104,11 @@ def evaluate_models(models: list[tuple[str, object]], chunks, byte_lengths: np.n
     return report
 
 
-def same_reading(a, b, split: str, count: int, k: int, block: int = 4096) -> bool:
-    """Whether neighbour sources a and b hand the first `count` chunks of `split` the same k
+def same_neighbour_tokens(source, other, split: str, count: int, k: int, block: int = 4096) -> bool:
+    """Whether two neighbour sources hand the first `count` chunks of `split` the same k
     neighbours' tokens (compared a block of chunks at a time: a big split's would not fit at once)."""
     for start in range(0, count, block):
         ids = np.arange(start, min(start + block, count))[None]                       # (1, c)
-        if not np.array_equal(a.neighbour_tokens(split, ids, k), b.neighbour_tokens(split, ids, k)):
+        if not np.array_equal(source.neighbour_tokens(split, ids, k), other.neighbour_tokens(split, ids, k)):
             return False
     return True

@@ -140,11 +140,12 @@ class RetroBlock(Block):
         else:
             h, ids, encoded, tokens = x                            # encoded (b, l, k, r, e)
         h = h + self.attn(self.ln_1(h))
-        # No neighbour at all (RETRO[OFF]) and no gradient wanted (evaluation): the CCA's output is
-        # an exact zero, so the encoder and the CCA are skipped, not computed and multiplied by 0
-        # (the encoding handed on is zeros of its shape, for a pipeline stage boundary). With
-        # gradients they run: a pipeline stage must hand on tensors that get one.
-        skip = not torch.is_grad_enabled() and not bool((ids >= 0).any())
+        # No neighbour at all (RETRO[OFF]) in evaluation (eval mode, no gradient): the CCA's output
+        # is an exact zero, so the encoder and the CCA are skipped, not computed and multiplied by 0
+        # (the encoding handed on is zeros of its shape, for a pipeline stage boundary). In training
+        # they always run: a pipeline stage must hand on tensors that get a gradient, and a
+        # recomputing activation checkpoint must take the same branch as the forward it repeats.
+        skip = not self.training and not torch.is_grad_enabled() and not bool((ids >= 0).any())
         if self.first and skip:
             encoded = embedded.new_zeros(*ids.shape, self.encoder.proj_in.out_features)
         elif self.first:
