@@ -108,6 +108,32 @@ def test_a_database_curve_point_that_reads_what_retro_on_read_is_not_scored_agai
     assert full["retro"] == report["rows"][0]["bits_per_byte"] != fewer["retro"]
 
 
+def test_retro_scores_equal_a_forward_that_reads_every_neighbour(tiny):
+    """Scoring leaves each window's last chunk's neighbours unread (they steer only the last
+    position, which predicts past the window), and evaluation encodes only the chunks that have a
+    neighbour: neither changes a score."""
+    from retropipe.training.models.retro import Retro
+
+    chunks, _, enc = tiny
+    torch.manual_seed(0)
+    retro = Retro(ModelConfig(kind="retro", n_layer=2, n_head=2, n_embd=16, n_positions=128, chunk_len=8,
+                              encoder_layers=1, encoder_embd=8, encoder_head=2)).eval()
+    c = len(chunks)
+    table = np.random.default_rng(0).integers(0, 1000, (c, 2, 16))
+    table[1] = -1                                                  # a chunk without neighbours
+    source = TableNeighbours(table)
+    ids = np.arange(c)
+    x = torch.from_numpy(chunks.tokens(ids).reshape(1, -1).astype(np.int64))
+    with torch.enable_grad():                                      # every chunk through encoder and CCA
+        logits = retro(x, torch.from_numpy(source.neighbour_tokens("train", ids[None], k=2))).detach()
+    nll = F.cross_entropy(logits[0, :-1], x[0, 1:], reduction="none").numpy()
+    real = (np.arange(8)[None] < chunks.lengths[ids][:, None]).reshape(-1)[1:]
+    scores = score_split(retro, chunks, token_byte_lengths(enc), window=c * 8, stride=c * 8, neighbours=source, k=2)
+    assert scores.nll.sum() == pytest.approx(nll[real].sum(), rel=1e-6)
+    off = score_split(retro, chunks, token_byte_lengths(enc), window=c * 8, stride=c * 8)
+    assert abs(off.nll.sum() - scores.nll.sum()) > 1e-3           # the neighbours are read
+
+
 def test_scoring_makes_its_tensors_on_the_models_device(tiny):
     """The CUDA path checked on CPU: under a "meta" default device, a tensor made without device=
     would land on meta and fail against the CPU model; the scores are unchanged."""

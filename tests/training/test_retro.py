@@ -88,6 +88,21 @@ def test_masked_neighbours_give_exactly_the_trunk(gate):
     assert encoder_calls == [1]
 
 
+@pytest.mark.parametrize("gate", [False, True])
+def test_evaluation_encodes_only_the_chunks_that_have_a_neighbour(gate):
+    net = model(tiny(copy_gate=gate))
+    tokens, neighbours = inputs()
+    neighbours[0, 1] = neighbours[1, 3] = -1                   # two chunks (of 2 × 4) without any
+    with torch.enable_grad():
+        full = net(tokens, neighbours)                         # every chunk through encoder and CCA
+    encoded_chunks = []
+    net.blocks[net.cfg.cca_blocks()[0]].encoder.register_forward_hook(
+        lambda mod, args, out: encoded_chunks.append(args[1].shape[:2]))
+    with torch.no_grad():
+        torch.testing.assert_close(net(tokens, neighbours), full, rtol=0, atol=1e-6)
+    assert encoded_chunks == [(1, 6)]                          # the 6 chunks that read, as one batch
+
+
 def test_missing_neighbours_give_finite_values_and_gradients():
     net = model().train()
     tokens, neighbours = inputs()

@@ -79,10 +79,8 @@ def score_split(model, chunks, byte_lengths: np.ndarray, window: int, stride: in
         tokens = chunks.tokens(ids.reshape(-1)).reshape(b, L * m).astype(np.int64)
         real = (np.arange(m)[None, None] < chunks.lengths[ids][..., None]).reshape(b, L * m)
         x = torch.from_numpy(tokens).to(device)
-        nbr = None  # the baseline, or RETRO[OFF]
-        if retro and neighbours is not None:
-            nbr = torch.from_numpy(neighbours.neighbour_tokens(chunks.split, ids, k=k)).to(device)
-        h = model.hidden(x, nbr) if retro else model.hidden(x)                     # (b, n, d)
+        nbr = window_neighbours(neighbours, chunks.split, ids, k, device) if retro and neighbours is not None else None
+        h = model.hidden(x, nbr) if retro else model.hidden(x)                     # (b, n, d); nbr None: RETRO[OFF]
         # Target position p (1..n-1) of window row i lies in chunk ids[i, p // m]; keep it if it is
         # real, inside the split and in this window's scored range (and not a clamped repeat).
         pos = np.arange(1, L * m)
@@ -98,6 +96,16 @@ def score_split(model, chunks, byte_lengths: np.ndarray, window: int, stride: in
         np.add.at(nll, target_chunk[keep], target_nll)
         np.add.at(count, target_chunk[keep], 1)
     return ChunkScores(nll, count, chunk_bytes(chunks, byte_lengths, c))
+
+
+def window_neighbours(neighbours, split: str, ids: np.ndarray, k: int, device) -> torch.Tensor:
+    """(b, L, k, r) int64 on `device`: what the windows' chunks ids (b, L) read, -1 = missing.
+
+    The last chunk's neighbours steer only the window's last position (the causal shift), whose
+    prediction lies past the window and is never scored: left unread (-1, in a new array, not the
+    source's), the model encodes and attends for one chunk fewer per window (training/models/retro.py)."""
+    last = (np.arange(ids.shape[1]) == ids.shape[1] - 1)[None, :, None, None]
+    return torch.from_numpy(np.where(last, -1, neighbours.neighbour_tokens(split, ids, k=k))).to(device)
 
 
 def window_starts(c: int, L: int, S: int) -> dict[int, int]:

@@ -146,9 +146,10 @@ class ChunkedCrossAttention(nn.Module):
             self.null_key = nn.Parameter(torch.zeros(cfg.n_head, cfg.n_embd // cfg.n_head))
 
     def forward(self, h: torch.Tensor, encoded: torch.Tensor, neighbours: torch.Tensor,
-                tokens: torch.Tensor | None = None) -> torch.Tensor:
+                tokens: torch.Tensor | None = None, reading: torch.Tensor | None = None) -> torch.Tensor:
         # h (b, n, d); encoded (b, l, k, r, e); neighbours (b, l, k, r) int64, -1 = missing;
-        # tokens (b, n) int64, the sequence's own (the copy gate reads them).
+        # tokens (b, n) int64, the sequence's own (the copy gate reads them); reading (b, l) bool:
+        # attend only for these chunks (the others have no neighbour: zeros), None = all.
         m = self.chunk_len
         b = h.shape[0]
         x = F.pad(self.ln(h), (0, 0, -(m - 1), m - 1))  # (b, n, d): row p now holds position p+m-1
@@ -157,8 +158,16 @@ class ChunkedCrossAttention(nn.Module):
         if tokens is not None:  # each shifted row's token and the one before it, -1 past the end
             now, before = (F.pad(tokens, (-(m - s), m - s), value=-1) for s in (1, 2))
             current = rearrange(torch.stack([now, before], -1), "b (l m) two -> (b l) m two", m=m)
-        y = self.attend(q, rearrange(encoded, "b l k r e -> (b l) k r e"),
-                        rearrange(neighbours, "b l k r -> (b l) k r"), torch.arange(m, device=h.device), current)
+        encoded = rearrange(encoded, "b l k r e -> (b l) k r e")
+        neighbours = rearrange(neighbours, "b l k r -> (b l) k r")
+        rows = torch.arange(m, device=h.device)
+        if reading is None:
+            y = self.attend(q, encoded, neighbours, rows, current)
+        else:
+            sel = reading.flatten()                                                     # (b l,)
+            some = self.attend(q[sel], encoded[sel], neighbours[sel], rows, None if current is None else current[sel])
+            y = some.new_zeros(q.shape[0], *some.shape[1:])
+            y[sel] = some
         y = rearrange(y, "(b l) m d -> b (l m) d", b=b)
         return F.pad(y, (0, 0, m - 1, -(m - 1)))  # undo the shift; positions 0 … m-2 get zeros
 

@@ -140,20 +140,35 @@ class RetroBlock(Block):
         else:
             h, ids, encoded, tokens = x                            # encoded (b, l, k, r, e)
         h = h + self.attn(self.ln_1(h))
-        # No neighbour at all (RETRO[OFF]) in evaluation (eval mode, no gradient): the CCA's output
-        # is an exact zero, so the encoder and the CCA are skipped, not computed and multiplied by 0
-        # (the encoding handed on is zeros of its shape, for a pipeline stage boundary). In training
-        # they always run: a pipeline stage must hand on tensors that get a gradient, and a
-        # recomputing activation checkpoint must take the same branch as the forward it repeats.
-        skip = not self.training and not torch.is_grad_enabled() and not bool((ids >= 0).any())
-        if self.first and skip:
-            encoded = embedded.new_zeros(*ids.shape, self.encoder.proj_in.out_features)
-        elif self.first:
-            encoded = self.encoder(embedded, ids, h)               # once, for every CCA
-        if not skip:
-            h = h + self.cca(h, encoded, ids, tokens)
+        # In evaluation (eval mode, no gradient) the encoder and the CCA run only over the chunks
+        # that have a neighbour: a chunk without one gets an exact zero from its CCA either way
+        # (RETRO[OFF] is every chunk; retrieval.aligned_only leaves many). Its encoding, never
+        # read, is zeros (a pipeline stage boundary still gets the full shape). In training every
+        # chunk runs: a pipeline stage must hand on tensors that get a gradient, and a recomputing
+        # activation checkpoint must take the same branch as the forward it repeats.
+        reading = None if self.training or torch.is_grad_enabled() else (ids >= 0).flatten(2).any(-1)  # (b, l)
+        if reading is not None and bool(reading.all()):
+            reading = None                                         # every chunk reads: no selection
+        if self.first:
+            encoded = self._encode(embedded, ids, h, reading)
+        if reading is None or bool(reading.any()):
+            h = h + self.cca(h, encoded, ids, tokens, reading)
         h = h + self.mlp(self.ln_2(h))
         return h if self.last else (h, ids, encoded, tokens)
+
+    def _encode(self, embedded: torch.Tensor, ids: torch.Tensor, h: torch.Tensor, reading: torch.Tensor | None):
+        """The encoding (b, l, k, r, e) of every chunk's neighbours, or only of the chunks
+        `reading` (b, l) selects (the others zeros), encoded as one batch of chunks."""
+        if reading is None:
+            return self.encoder(embedded, ids, h)                  # once, for every CCA
+        b, l, k, r = ids.shape
+        if not bool(reading.any()):
+            return embedded.new_zeros(b, l, k, r, self.encoder.proj_in.out_features)
+        states = h.view(b, l, self.chunk_len, -1)[reading]        # (S, m, d): the selected chunks
+        some = self.encoder(embedded[reading][None], ids[reading][None], states.flatten(0, 1)[None])[0]
+        encoded = some.new_zeros(b, l, *some.shape[1:])           # (b, l, k, r, e)
+        encoded[reading] = some
+        return encoded
 
     def decode(self, h: torch.Tensor, layer: LayerCache, step: DecodeStep) -> torch.Tensor:
         """forward for the new positions step.start … + T - 1, h (b, T, d). The first CCA block
