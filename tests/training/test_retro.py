@@ -309,23 +309,30 @@ def test_the_copy_gate_marks_where_a_neighbour_matches_the_text_just_read():
     torch.testing.assert_close(out, cca.attn.proj.bias.expand(1, 5, 32))
 
 
-@pytest.mark.parametrize("mask_kind", ["none", "bool", "float"])
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "float", "causal", "float per head"])
 def test_attention_in_bf16_training_on_cpu_is_sdpas_function(mask_kind):
     """The explicit attention (bf16 with gradients on a CPU) computes what fp32 SDPA does, output
-    and gradients within bf16 rounding; a masked key's value changes nothing."""
-    from retropipe.training.models.cca import attention
+    and gradients within bf16 rounding; a masked key's value changes nothing; a float mask gets
+    its gradient."""
+    from retropipe.training.models.gpt2 import attention
 
     torch.manual_seed(0)
-    q, k, v = (torch.randn(3, 2, t, 16) for t in (5, 7, 7))
-    mask = {"none": None, "bool": torch.rand(3, 1, 5, 7) > 0.4, "float": torch.randn(3, 2, 5, 7)}[mask_kind]
+    t = 7 if mask_kind == "causal" else 5
+    q, k, v = (torch.randn(3, 2, n, 16) for n in (t, 7, 7))
+    mask = {"none": None, "bool": torch.rand(3, 1, 5, 7) > 0.4, "float": torch.randn(3, 2, 5, 7), "causal": None,
+            "float per head": torch.randn(1, 2, 5, 7, requires_grad=True)}[mask_kind]
     if mask_kind == "bool":
         mask[..., 0], mask[..., 1] = True, False                 # every row keeps a key (key_mask); key 1 is out
     results = []
     for dtype in (torch.float32, torch.bfloat16):
         leaves = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
-        y = attention(*leaves, mask if mask is None or mask_kind == "bool" else mask.to(dtype))
+        m = mask if mask is None or mask_kind == "bool" else mask.to(dtype)
+        y = attention(*leaves, m, is_causal=mask_kind == "causal")
         (y.float() * torch.linspace(-1, 1, 16)).sum().backward()
         results.append([y.float(), *(x.grad.float() for x in leaves)])
+        if mask_kind == "float per head":
+            results[-1].append(mask.grad.clone())
+            mask.grad = None
     for ours, reference in zip(*reversed(results)):
         torch.testing.assert_close(ours, reference, atol=0.05, rtol=0.05)
     if mask_kind == "bool":

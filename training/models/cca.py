@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from retropipe.training.models.config import ModelConfig
+from retropipe.training.models.gpt2 import attention
 
 
 def rotary(x: torch.Tensor, pos: torch.Tensor, base: float) -> torch.Tensor:
@@ -52,24 +53,6 @@ def with_null_slot(k, v, mask, bias, key: torch.Tensor, logit: torch.Tensor):
     bias = torch.cat([slot.to(bias.dtype if bias is not None else logit.dtype), bias], dim=-1) if bias is not None \
         else F.pad(slot, (0, k.shape[2] - 1))
     return k, v, mask, bias
-
-
-def attention(q, k, v, mask=None, dropout_p: float = 0.0) -> torch.Tensor:
-    """softmax(q·kᵀ/√c + mask) v for q (B, h, t, c), k and v (B, h, s, c); mask bool (True =
-    attend) or float (added), broadcastable to (B, h, t, s).
-
-    SDPA, except when training in bf16/fp16 on a CPU: there, at RETRO's short sequences (the
-    encoder's 128 neighbour tokens, the CCA's 64 queries), torch's flash-attention backward is 2-5×
-    slower than these explicit matmuls, which keep the (B, h, t, s) probabilities for backward
-    (small at these lengths; docs/benchmarks.md, "RETRO's attention in bf16").
-    """
-    if q.device.type != "cpu" or q.dtype == torch.float32 or not torch.is_grad_enabled():
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
-    scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-1, -2)                  # (B, h, t, s)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    probs = scores.softmax(dim=-1)
-    return (F.dropout(probs, dropout_p) if dropout_p else probs) @ v
 
 
 class Attention(nn.Module):

@@ -150,6 +150,47 @@ class PositionEmbedding(nn.Module):
         return (h, *rest) if rest else h
 
 
+# CPU training in bf16 or fp16 computes attention as explicit matmuls instead of SDPA while the
+# scores per head (queries × keys) are at most this many per channel of a head: the matmuls' extra
+# traffic grows with the scores, flash attention's work with scores × channels, and torch's CPU
+# flash attention (forward and backward) is the slower of the two below 512² scores at 64 channels,
+# 362² at 32
+# (docs/benchmarks.md, "Attention in bf16 on a CPU").
+EXPLICIT_ATTENTION_SCORES_PER_CHANNEL = 4096
+
+
+def attention(q, k, v, mask=None, dropout_p: float = 0.0, is_causal: bool = False) -> torch.Tensor:
+    """softmax(q·kᵀ/√c + mask) v for q (B, h, t, c), k and v (B, h, s, c); mask bool (True =
+    attend) or float (added), broadcastable to (B, h, t, s); is_causal: query i sees keys 0 … i + s - t.
+
+    SDPA, except when training in bf16/fp16 on a CPU with t · s ≤ EXPLICIT_ATTENTION_SCORES_PER_CHANNEL
+    · c: there explicit matmuls are faster, keeping the (B, h, t, s) probabilities for backward
+    (small at these sizes). The mask enters as the additive term of the scores' matmul (baddbmm), so no pass
+    over the scores masks them, forward or backward.
+    """
+    if (q.device.type != "cpu" or q.dtype == torch.float32 or not torch.is_grad_enabled()
+            or q.shape[-2] * k.shape[-2] > EXPLICIT_ATTENTION_SCORES_PER_CHANNEL * q.shape[-1]):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+    (B, h, t, c), s = q.shape, k.shape[-2]
+    bias = _additive_mask(mask, is_causal, t, s, q)
+    bias = bias[(None,) * (4 - bias.dim())]                                      # (B or 1, h or 1, t or 1, s or 1)
+    bias = bias[0] if bias.shape[:2] == (1, 1) else bias.expand(B, h, *bias.shape[2:]).reshape(B * h, *bias.shape[2:])
+    scores = torch.baddbmm(bias, q.reshape(B * h, t, c), k.reshape(B * h, s, c).transpose(1, 2), alpha=c ** -0.5)
+    probs = scores.softmax(dim=-1).view(B, h, t, s)
+    return (F.dropout(probs, dropout_p) if dropout_p else probs) @ v
+
+
+def _additive_mask(mask, is_causal: bool, t: int, s: int, like: torch.Tensor) -> torch.Tensor:
+    """The mask as a float term added to the scores, in like's dtype: 0 where attended, -inf not."""
+    if is_causal:
+        return torch.full((t, s), float("-inf"), dtype=like.dtype, device=like.device).triu_(s - t + 1)
+    if mask is None:
+        return like.new_zeros(1, 1)
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=like.dtype, device=like.device).masked_fill_(~mask, float("-inf"))
+    return mask.to(like.dtype)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -162,8 +203,7 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:  # (b, n, d)
         q, k, v = rearrange(self.c_attn(x), "b n (three h c) -> three b h n c", three=3, h=self.n_head)
         if cache is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                               dropout_p=self.dropout if self.training else 0.0)
+            y = attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
         else:
             # The n new queries follow `past` cached positions: query i sees keys 0 … past + i.
             past = cache.length
