@@ -22,12 +22,14 @@ BUILD_DATABASE = "python launch/build_index.py --config <your config>"
 
 
 class ConfigError(ValueError):
-    """A config value is unknown, of the wrong type or impossible. `key` is dotted (data.chunk_len)."""
+    """A config value is unknown, of the wrong type or impossible. `key` is dotted (data.chunk_len),
+    or a command-line flag (--device) for a setting that only the command line gives."""
 
     def __init__(self, key: str, message: str, source: str | None = None):
         self.key, self.source = key, source
         where = f" in {source}" if source else ""
-        super().__init__(f"config key '{key}'{where}: {message}")
+        what = f"flag '{key}'" if key.startswith("--") else f"config key '{key}'"
+        super().__init__(f"{what}{where}: {message}")
 
 
 class DataError(ValueError):

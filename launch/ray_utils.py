@@ -33,6 +33,35 @@ def join_hint(address: str) -> str:
             f"~/.ray/auth_token) must be the one the cluster at {address} was started with")
 
 
+# Seconds to wait for a TCP connection to a cluster's GCS before saying it cannot be reached.
+REACH_TIMEOUT = 10.0
+
+
+def check_reachable(address: str) -> None:
+    """Fail at once, in one line, where no Ray cluster listens at `address` (a host:port, or
+    "auto": the cluster `ray start` last started here). ray.init would retry an unreachable GCS for
+    minutes, printing only its own warnings. A Ray Client address (ray://) is left to Ray."""
+    if address.startswith("ray://"):
+        return
+    import socket
+
+    from ray._private.services import canonicalize_bootstrap_address  # "auto" resolved as ray.init does
+
+    try:
+        resolved = canonicalize_bootstrap_address(address)
+    except (ConnectionError, ValueError) as e:
+        raise ClusterError(f"cannot join the Ray cluster at {address} ({str(e).strip().splitlines()[0]})") from None
+    if resolved is None:  # "local": ray.init starts one
+        return
+    host, port = resolved.rsplit(":", 1)
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=REACH_TIMEOUT).close()
+    except OSError as e:
+        at = address if resolved == address else f"{address} ({resolved})"
+        raise ClusterError(f"cannot reach the Ray cluster at {at}: {e.strerror or e}; is it running? "
+                           f"(`ray status --address {resolved}`)") from None
+
+
 def _placed(fn: Callable, *args):
     """fn(*args) in a Ray task, with the id of the node that ran it."""
     import ray
@@ -59,6 +88,7 @@ class RayExecutor:
             if address is None:
                 ray.init(address="local", include_dashboard=False, num_cpus=self.num_cpus, **quiet)
             else:
+                check_reachable(address)
                 try:
                     ray.init(address=address, **quiet)
                 except (ConnectionError, AuthenticationError) as e:

@@ -78,6 +78,16 @@ def test_cli_reports_config_error_with_nonzero_exit(tmp_path):
     assert not (tmp_path / "data").exists()
 
 
+def test_an_error_names_a_flag_as_a_flag_and_a_key_as_a_config_key():
+    from retropipe.launch.cli import resolve_device
+
+    assert str(ConfigError("data.chunk_len", "bad")) == "config key 'data.chunk_len': bad"
+    assert str(ConfigError("--device", "bad")) == "flag '--device': bad"
+    if not __import__("torch").cuda.is_available():
+        with pytest.raises(ConfigError, match=r"^flag '--device': cuda was asked for"):
+            resolve_device("cuda")
+
+
 def test_chunk_len_has_one_source_of_truth():
     cfg = load_config(None, ["data.chunk_len=32", "train.seq_len=128"])
     assert cfg.model.chunk_len == 32
