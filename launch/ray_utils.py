@@ -40,12 +40,17 @@ REACH_TIMEOUT = 10.0
 def check_reachable(address: str) -> None:
     """Fail at once, in one line, where no Ray cluster listens at `address` (a host:port, or
     "auto": the cluster `ray start` last started here). ray.init would retry an unreachable GCS for
-    minutes, printing only its own warnings. A Ray Client address (ray://) is left to Ray."""
-    if address.startswith("ray://"):
+    minutes, printing only its own warnings. A Ray Client address (ray://...) is left to Ray."""
+    if address == "auto" and os.environ.get("RAY_ADDRESS"):
+        address = os.environ["RAY_ADDRESS"]                        # what ray.init reads for "auto"
+    if "://" in address:
         return
     import socket
 
-    from ray._private.services import canonicalize_bootstrap_address  # "auto" resolved as ray.init does
+    try:  # "auto" resolved as ray.init resolves it (Ray's own function, not public API)
+        from ray._private.services import canonicalize_bootstrap_address
+    except ImportError:
+        return
 
     try:
         resolved = canonicalize_bootstrap_address(address)

@@ -209,9 +209,18 @@ def test_prepare_data_joins_a_cluster_by_address(tmp_path, ray_head):
 
 def test_an_address_where_no_cluster_listens_fails_at_once(tmp_path):
     """ray.init would retry an unreachable GCS for minutes; the entry point says so in one line."""
-    cmd = ["python", "launch/prepare_data.py", "--config", "configs/tiny.yaml", "--no-progress",
+    cmd = [PY, "launch/prepare_data.py", "--config", "configs/tiny.yaml", "--no-progress",
            "--address", f"127.0.0.1:{free_port()}", "--set", f"workdir={tmp_path}"]   # nothing listens there
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     last = done.stderr.strip().splitlines()[-1]
     assert done.returncode == 2 and last.startswith("prepare_data: error: cannot reach the Ray cluster at 127.0.0.1:"), last
     assert "ray status --address" in last and not (tmp_path / "data" / "manifest.json").exists()
+
+
+def test_a_ray_client_address_is_left_to_ray(monkeypatch):
+    """ray:// (Ray Client), given or read from RAY_ADDRESS for "auto", is not a host:port to check."""
+    from retropipe.launch.ray_utils import check_reachable
+
+    monkeypatch.setenv("RAY_ADDRESS", "ray://127.0.0.1:1")
+    check_reachable("auto")
+    check_reachable("ray://nowhere.invalid:10001")

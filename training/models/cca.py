@@ -129,10 +129,10 @@ class ChunkedCrossAttention(nn.Module):
             self.null_key = nn.Parameter(torch.zeros(cfg.n_head, cfg.n_embd // cfg.n_head))
 
     def forward(self, h: torch.Tensor, encoded: torch.Tensor, neighbours: torch.Tensor,
-                tokens: torch.Tensor | None = None, reading: torch.Tensor | None = None) -> torch.Tensor:
+                tokens: torch.Tensor | None = None, chunks: torch.Tensor | None = None) -> torch.Tensor:
         # h (b, n, d); encoded (b, l, k, r, e); neighbours (b, l, k, r) int64, -1 = missing;
-        # tokens (b, n) int64, the sequence's own (the copy gate reads them); reading (b, l) bool:
-        # attend only for these chunks (the others have no neighbour: zeros), None = all.
+        # tokens (b, n) int64, the sequence's own (the copy gate reads them); chunks (S,) int64:
+        # attend only for these of the b·l chunks (the others have no neighbour: zeros), None = all.
         m = self.chunk_len
         b = h.shape[0]
         x = F.pad(self.ln(h), (0, 0, -(m - 1), m - 1))  # (b, n, d): row p now holds position p+m-1
@@ -144,13 +144,14 @@ class ChunkedCrossAttention(nn.Module):
         encoded = rearrange(encoded, "b l k r e -> (b l) k r e")
         neighbours = rearrange(neighbours, "b l k r -> (b l) k r")
         rows = torch.arange(m, device=h.device)
-        if reading is None:
+        if chunks is None:
             y = self.attend(q, encoded, neighbours, rows, current)
         else:
-            sel = reading.flatten()                                                     # (b l,)
-            some = self.attend(q[sel], encoded[sel], neighbours[sel], rows, None if current is None else current[sel])
-            y = some.new_zeros(q.shape[0], *some.shape[1:])
-            y[sel] = some
+            def pick(x):                                                                # the S chunks' rows
+                return None if x is None else x.index_select(0, chunks)
+
+            some = self.attend(pick(q), pick(encoded), pick(neighbours), rows, pick(current))   # (S, m, d)
+            y = some.new_zeros(q.shape[0], *some.shape[1:]).index_copy_(0, chunks, some)
         y = rearrange(y, "(b l) m d -> b (l m) d", b=b)
         return F.pad(y, (0, 0, m - 1, -(m - 1)))  # undo the shift; positions 0 … m-2 get zeros
 

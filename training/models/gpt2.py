@@ -153,21 +153,23 @@ class PositionEmbedding(nn.Module):
 # CPU training in bf16 or fp16 computes attention as explicit matmuls instead of SDPA while the
 # scores per head (queries × keys) are at most this many per channel of a head: the matmuls' extra
 # traffic grows with the scores, flash attention's work with scores × channels, and torch's CPU
-# flash attention (forward and backward) is the slower of the two below 512² scores at 64 channels,
-# 362² at 32
-# (docs/benchmarks.md, "Attention in bf16 on a CPU").
+# flash attention (forward and backward) is the slower of the two up to 512² scores at 64 channels
+# (768² is a tie), 362² at 32 (docs/benchmarks.md, "Attention in bf16 on a CPU").
 EXPLICIT_ATTENTION_SCORES_PER_CHANNEL = 4096
 
 
 def attention(q, k, v, mask=None, dropout_p: float = 0.0, is_causal: bool = False) -> torch.Tensor:
     """softmax(q·kᵀ/√c + mask) v for q (B, h, t, c), k and v (B, h, s, c); mask bool (True =
-    attend) or float (added), broadcastable to (B, h, t, s); is_causal: query i sees keys 0 … i + s - t.
+    attend) or float (added), broadcastable to (B, h, t, s), leaving every row a key (a row with
+    none gives NaN here, where SDPA gives 0); is_causal (no mask, t = s): query i sees keys 0 … i.
 
     SDPA, except when training in bf16/fp16 on a CPU with t · s ≤ EXPLICIT_ATTENTION_SCORES_PER_CHANNEL
     · c: there explicit matmuls are faster, keeping the (B, h, t, s) probabilities for backward
     (small at these sizes). The mask enters as the additive term of the scores' matmul (baddbmm), so no pass
     over the scores masks them, forward or backward.
     """
+    if is_causal and (mask is not None or q.shape[-2] != k.shape[-2]):
+        raise ValueError("attention: is_causal takes no mask and as many queries as keys")
     if (q.device.type != "cpu" or q.dtype == torch.float32 or not torch.is_grad_enabled()
             or q.shape[-2] * k.shape[-2] > EXPLICIT_ATTENTION_SCORES_PER_CHANNEL * q.shape[-1]):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
@@ -183,7 +185,7 @@ def attention(q, k, v, mask=None, dropout_p: float = 0.0, is_causal: bool = Fals
 def _additive_mask(mask, is_causal: bool, t: int, s: int, like: torch.Tensor) -> torch.Tensor:
     """The mask as a float term added to the scores, in like's dtype: 0 where attended, -inf not."""
     if is_causal:
-        return torch.full((t, s), float("-inf"), dtype=like.dtype, device=like.device).triu_(s - t + 1)
+        return torch.full((t, s), float("-inf"), dtype=like.dtype, device=like.device).triu_(1)
     if mask is None:
         return like.new_zeros(1, 1)
     if mask.dtype == torch.bool:

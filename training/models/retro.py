@@ -116,6 +116,13 @@ def init_identity_path(block: "RetroBlock", cfg: ModelConfig) -> None:
         attn.proj.weight.copy_(IDENTITY_PATH_SCALE * torch.eye(d))
 
 
+def reading_chunks(ids: torch.Tensor) -> torch.Tensor | None:
+    """(S,) int64: the chunks of neighbour ids (b, l, k, r) with at least one neighbour token, as
+    indices into the b·l chunks; None when every chunk has one. One host sync on a GPU."""
+    chunks = (ids >= 0).flatten(2).any(-1).flatten().nonzero().squeeze(1)
+    return None if len(chunks) == ids.shape[0] * ids.shape[1] else chunks
+
+
 class RetroBlock(Block):
     """Block + CCA. Tuple in: (h, ids, embedded, tokens) for the first, (h, ids, encoded, tokens)
     for later ones.
@@ -146,29 +153,27 @@ class RetroBlock(Block):
         # read, is zeros (a pipeline stage boundary still gets the full shape). In training every
         # chunk runs: a pipeline stage must hand on tensors that get a gradient, and a recomputing
         # activation checkpoint must take the same branch as the forward it repeats.
-        reading = None if self.training or torch.is_grad_enabled() else (ids >= 0).flatten(2).any(-1)  # (b, l)
-        if reading is not None and bool(reading.all()):
-            reading = None                                         # every chunk reads: no selection
+        chunks = None if self.training or torch.is_grad_enabled() else reading_chunks(ids)
         if self.first:
-            encoded = self._encode(embedded, ids, h, reading)
-        if reading is None or bool(reading.any()):
-            h = h + self.cca(h, encoded, ids, tokens, reading)
+            encoded = self._encode(embedded, ids, h, chunks)
+        if chunks is None or len(chunks):
+            h = h + self.cca(h, encoded, ids, tokens, chunks)
         h = h + self.mlp(self.ln_2(h))
         return h if self.last else (h, ids, encoded, tokens)
 
-    def _encode(self, embedded: torch.Tensor, ids: torch.Tensor, h: torch.Tensor, reading: torch.Tensor | None):
-        """The encoding (b, l, k, r, e) of every chunk's neighbours, or only of the chunks
-        `reading` (b, l) selects (the others zeros), encoded as one batch of chunks."""
-        if reading is None:
+    def _encode(self, embedded: torch.Tensor, ids: torch.Tensor, h: torch.Tensor, chunks: torch.Tensor | None):
+        """The encoding (b, l, k, r, e) of every chunk's neighbours, or only of `chunks` (indices
+        into the b·l chunks; the others zeros), encoded as one batch of chunks."""
+        if chunks is None:
             return self.encoder(embedded, ids, h)                  # once, for every CCA
         b, l, k, r = ids.shape
-        if not bool(reading.any()):
+        if not len(chunks):
             return embedded.new_zeros(b, l, k, r, self.encoder.proj_in.out_features)
-        states = h.view(b, l, self.chunk_len, -1)[reading]        # (S, m, d): the selected chunks
-        some = self.encoder(embedded[reading][None], ids[reading][None], states.flatten(0, 1)[None])[0]
-        encoded = some.new_zeros(b, l, *some.shape[1:])           # (b, l, k, r, e)
-        encoded[reading] = some
-        return encoded
+        states = h.reshape(b * l, self.chunk_len, -1).index_select(0, chunks)     # (S, m, d)
+        some = self.encoder(embedded.flatten(0, 1).index_select(0, chunks)[None],
+                            ids.flatten(0, 1).index_select(0, chunks)[None], states.flatten(0, 1)[None])[0]
+        encoded = some.new_zeros(b * l, *some.shape[1:]).index_copy_(0, chunks, some)   # (b l, k, r, e)
+        return encoded.view(b, l, *some.shape[1:])
 
     def decode(self, h: torch.Tensor, layer: LayerCache, step: DecodeStep) -> torch.Tensor:
         """forward for the new positions step.start … + T - 1, h (b, T, d). The first CCA block
