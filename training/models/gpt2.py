@@ -165,8 +165,8 @@ def attention(q, k, v, mask=None, dropout_p: float = 0.0, is_causal: bool = Fals
 
     SDPA, except when training in bf16/fp16 on a CPU with t · s ≤ EXPLICIT_ATTENTION_SCORES_PER_CHANNEL
     · c: there explicit matmuls are faster, keeping the (B, h, t, s) probabilities for backward
-    (small at these sizes). The mask enters as the additive term of the scores' matmul (baddbmm), so no pass
-    over the scores masks them, forward or backward.
+    (small at these sizes). The mask enters as the additive term of the scores' matmul (baddbmm)
+    and 1/√c as its alpha, so no pass over the scores scales or masks them, forward or backward.
     """
     if is_causal and (mask is not None or q.shape[-2] != k.shape[-2]):
         raise ValueError("attention: is_causal takes no mask and as many queries as keys")
