@@ -53,13 +53,14 @@ def matmul_flops(device: str, dtype: torch.dtype, size: int, reps: int) -> float
 
 def model_matmul_flops(cfg, tokens: int, device: str, dtype: torch.dtype, reps: int = 3) -> float:
     """FLOP/s of GPT-2's own matmuls at this batch, timed alone (best of reps): each block's four
-    linear layers (q/k/v, attention output, MLP in and out) and the LM head in slices of
-    lm_head.SLICE_TOKENS, each forward and both backward products. The ceiling a step of this
-    shape can reach with every other operation free: the 2048² peak overstates it where a
-    dimension is as small as n_embd."""
-    from retropipe.training.models.lm_head import SLICE_TOKENS
+    linear layers (q/k/v, attention output, MLP in and out) and the LM head in the device's slices
+    (lm_head.slice_tokens_for) against its vocabulary as padded there, each forward and both
+    backward products. The ceiling a step of this shape can reach with every other operation free:
+    the 2048² peak overstates it where a dimension is as small as n_embd."""
+    from retropipe.training.models.lm_head import slice_tokens_for, vocab_padding
 
-    d, vocab = cfg.n_embd, cfg.vocab_size
+    d, vocab = cfg.n_embd, cfg.vocab_size + vocab_padding(cfg.vocab_size, torch.device(device))
+    SLICE_TOKENS = slice_tokens_for(torch.device(device))  # noqa: N806 (the training path's constant)
     products = [(tokens, i, o) for i, o in ((d, 3 * d), (d, d), (d, 4 * d), (4 * d, d))]   # (rows, in, out)
     weights = {(i, o): torch.randn(i, o, device=device, dtype=dtype) for _, i, o in products}
     xs = {i: torch.randn(tokens, i, device=device, dtype=dtype) for _, i, _ in products}

@@ -162,6 +162,29 @@ def test_fused_head_gives_the_plain_loss_and_gradients():
     assert (la - loss_fn(hr.detach() @ wr.detach().t(), y)).abs() > 1e-6  # not fp32 matmuls
 
 
+def test_the_head_padded_with_zero_rows_gives_the_same_loss_and_gradients(monkeypatch):
+    """On a GPU the head's matrix gets zero rows up to a multiple of 64 (cuBLAS's fast kernels),
+    their logits -inf; forced here on the CPU, to a multiple of 8."""
+    import retropipe.training.models.lm_head as lm_head
+
+    torch.manual_seed(0)
+    h = torch.randn(2, 5, 8, requires_grad=True)
+    w = torch.randn(13, 8, requires_grad=True)
+    y = torch.randint(0, 13, (2, 5))
+    y[0, 0] = -100
+    results = []
+    for pad in (False, True):
+        if pad:
+            monkeypatch.setattr(lm_head, "vocab_padding", lambda vocab, device: -vocab % 8)
+        loss = lm_head.lm_loss(h, w, y, slice_tokens=4)
+        loss.backward()
+        results.append((loss.detach(), h.grad, w.grad, lm_head.token_nll(h.detach(), w.detach(), y, slice_tokens=3)))
+        h.grad = w.grad = None
+    for plain, padded in zip(*results):
+        torch.testing.assert_close(padded, plain)
+    assert results[1][2].shape == w.shape
+
+
 def test_the_lookups_gradient_is_added_in_place_and_equals_the_embeddings():
     """model.lookup: over accumulated micro-batches its weight gradient equals F.embedding's, the
     first micro-batch hands autograd a dense gradient and later ones a sparse one that is added in

@@ -17,18 +17,42 @@ training/models/gpt2.py stays the plain path; a test checks both give the same l
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 IGNORE_INDEX = -100
-# Tokens per slice: 256 × 50,257 fp32 logits are 51 MB; small enough to stay out of the way,
-# large enough that the slice matmuls run at full speed (bench/lm_head.py measures it).
+# Tokens per slice on a CPU: 256 × 50,257 fp32 logits are 51 MB; small enough to stay out of the
+# way, large enough that the slice matmuls run at full speed (bench/lm_head.py measures it).
 SLICE_TOKENS = 256
+# On a GPU the slice matmuls need many rows to fill the device: 4,096 rows (two bf16 buffers of
+# 412 MB at GPT-2's vocabulary) ran GPT-2 124M's training step 1.4× faster than 256 on an H200.
+GPU_SLICE_TOKENS = 4096
+# cuBLAS runs its fast tensor-core kernels only where the leading dimensions are multiples of 8
+# elements; at GPT-2's odd vocabulary (50,257) the head's three products fell back to slow kernels,
+# half of an H200's step (docs/benchmarks.md, "GPU"). On a GPU the head computes against the
+# matrix padded with zero rows to a multiple of this, their logits -inf: no share of the softmax,
+# no gradient, the same loss.
+GPU_VOCAB_MULTIPLE = 64
+
+
+def slice_tokens_for(device: torch.device) -> int:
+    return GPU_SLICE_TOKENS if device.type == "cuda" else SLICE_TOKENS
+
+
+def vocab_padding(vocab: int, device: torch.device) -> int:
+    """Zero rows the head's matrix gets on this device (GPU_VOCAB_MULTIPLE)."""
+    return -vocab % GPU_VOCAB_MULTIPLE if device.type == "cuda" else 0
+
+
+def padded(w: torch.Tensor, pad: int) -> torch.Tensor:
+    """w (V, d) with `pad` zero rows after it; w itself when pad is 0 (no copy)."""
+    return F.pad(w, (0, 0, 0, pad)) if pad else w
 
 
 class _FusedLMLoss(torch.autograd.Function):
     """Summed NLL of labels under softmax(h @ Wᵀ), slice by slice; gradients computed in forward."""
 
     @staticmethod
-    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, slice_tokens: int):
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, slice_tokens: int | None):
         # h (N, d), weight (V, d), labels (N,) with IGNORE_INDEX for no target.
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ctx.h_dtype, ctx.w_dtype = h.dtype, weight.dtype
@@ -42,8 +66,9 @@ class _FusedLMLoss(torch.autograd.Function):
         # (V, d) fp32 copy per slice.
         mm_dtype = _autocast_dtype(h.device.type) or h.dtype
         acc_dtype = weight.dtype if weight.dtype == mm_dtype else torch.float32
-        grad_w = torch.zeros_like(weight, dtype=acc_dtype) if want_w else None
-        hm, w = h.to(mm_dtype), weight.to(mm_dtype)
+        slice_tokens, pad = slice_tokens or slice_tokens_for(h.device), vocab_padding(vocab, h.device)
+        hm, w = h.to(mm_dtype), padded(weight.to(mm_dtype), pad)                     # w (V + pad, d)
+        grad_w = torch.zeros_like(w, dtype=acc_dtype) if want_w else None
         # Two (S, V) buffers for all slices: the logits and their softmax. A fresh 51 MB tensor per
         # slice costs its page faults every time; a row-wise softmax into a buffer reads each row
         # once from cache, where logsumexp, sub_ and exp_ each streamed the whole slice. The
@@ -52,12 +77,14 @@ class _FusedLMLoss(torch.autograd.Function):
         # matmuls. The loss then carries bf16's rounding of each target's probability (a relative
         # 2^-9, ±0.002 nats per token, unbiased); its gradient is as before.
         rows = min(slice_tokens, n_tokens)
-        logits_buf = torch.empty(rows, vocab, dtype=mm_dtype, device=h.device)
-        probs_buf = torch.empty(rows, vocab, dtype=mm_dtype, device=h.device)
+        logits_buf = torch.empty(rows, vocab + pad, dtype=mm_dtype, device=h.device)
+        probs_buf = torch.empty(rows, vocab + pad, dtype=mm_dtype, device=h.device)
         for start in range(0, n_tokens, slice_tokens):
             hs, ys = hm[start:start + slice_tokens], labels[start:start + slice_tokens]
             s = len(ys)
-            logits = torch.mm(hs, w.t(), out=logits_buf[:s])                      # (S, V)
+            logits = torch.mm(hs, w.t(), out=logits_buf[:s])                      # (S, V + pad)
+            if pad:
+                logits[:, vocab:] = float("-inf")                                 # padding: probability 0
             valid = ys != IGNORE_INDEX
             target = torch.where(valid, ys, 0)
             probs = torch.ops.aten._softmax.out(logits, -1, False, out=probs_buf[:s])      # (S, V)
@@ -65,7 +92,7 @@ class _FusedLMLoss(torch.autograd.Function):
             if want_h or want_w:
                 _slice_grads(probs, target, valid, hs, w, grad_h[start:start + slice_tokens] if want_h else None,
                              grad_w)
-        ctx.save_for_backward(grad_h, grad_w)
+        ctx.save_for_backward(grad_h, grad_w[:vocab] if want_w else None)
         return total
 
     @staticmethod
@@ -122,30 +149,35 @@ def _autocast_dtype(device_type: str) -> torch.dtype | None:
         return torch.get_autocast_gpu_dtype() if torch.is_autocast_enabled() else None
 
 
-def lm_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, slice_tokens: int = SLICE_TOKENS) -> torch.Tensor:
+def lm_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, slice_tokens: int | None = None) -> torch.Tensor:
     """Mean cross-entropy of labels (b, n) under the tied head W (V, d) applied to h (b, n, d).
 
     Labels are already the next tokens; IGNORE_INDEX (-100) is no target. Computed in fp32
     whatever h's dtype; a batch with no target gives 0, not NaN (as training.models.gpt2.loss_fn).
+    slice_tokens: tokens per slice (None: the device's, `slice_tokens_for`).
     """
     h2, y = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
     total = _FusedLMLoss.apply(h2, weight, y, slice_tokens)
     return total / (y != IGNORE_INDEX).sum().clamp(min=1)
 
 
-def token_nll(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, slice_tokens: int = SLICE_TOKENS) -> torch.Tensor:
+def token_nll(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, slice_tokens: int | None = None) -> torch.Tensor:
     """Per-token NLL (b, n) of targets under the head, without gradients, slice by slice (evaluation)."""
     with torch.no_grad():
         mm_dtype = _autocast_dtype(h.device.type) or h.dtype      # as _FusedLMLoss
         h2, y = h.reshape(-1, h.shape[-1]).to(mm_dtype), targets.reshape(-1)
         out = torch.empty(y.shape, dtype=torch.float32, device=h.device)
-        w = weight.to(mm_dtype)
+        vocab = weight.shape[0]
+        slice_tokens, pad = slice_tokens or slice_tokens_for(h.device), vocab_padding(vocab, h.device)
+        w = padded(weight.to(mm_dtype), pad)                        # (V + pad, d), as _FusedLMLoss
         rows = min(slice_tokens, h2.shape[0])
         logits_buf = torch.empty(rows, w.shape[0], dtype=mm_dtype, device=h.device)  # reused: see _FusedLMLoss
         logp_buf = torch.empty(rows, w.shape[0], dtype=torch.float32, device=h.device)
         for start in range(0, h2.shape[0], slice_tokens):
             ys = y[start:start + slice_tokens]
             logits = torch.mm(h2[start:start + slice_tokens], w.t(), out=logits_buf[:len(ys)])
+            if pad:
+                logits[:, vocab:] = float("-inf")
             logp = torch.ops.aten.log_softmax.int_out(logits, -1, torch.float32, out=logp_buf[:len(ys)])
             valid = ys != IGNORE_INDEX                                    # no target: 0, as cross_entropy
             nll = -logp.gather(1, torch.where(valid, ys, 0)[:, None]).squeeze(1)
