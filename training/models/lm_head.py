@@ -24,13 +24,13 @@ IGNORE_INDEX = -100
 # way, large enough that the slice matmuls run at full speed (bench/lm_head.py measures it).
 SLICE_TOKENS = 256
 # On a GPU the slice matmuls need many rows to fill the device: 4,096 rows (two bf16 buffers of
-# 412 MB at GPT-2's vocabulary) ran GPT-2 124M's training step 1.4× faster than 256 on an H200.
+# 412 MB at GPT-2's vocabulary) ran GPT-2 124M's training step 1.6× faster than 256 on an H200.
 GPU_SLICE_TOKENS = 4096
 # cuBLAS runs its fast tensor-core kernels only where the leading dimensions are multiples of 8
 # elements; at GPT-2's odd vocabulary (50,257) the head's three products fell back to slow kernels,
-# half of an H200's step (docs/benchmarks.md, "GPU"). On a GPU the head computes against the
-# matrix padded with zero rows to a multiple of this, their logits -inf: no share of the softmax,
-# no gradient, the same loss.
+# half of an H200's step (docs/benchmarks.md, "GPU: one NVIDIA H200"). On a GPU the head computes
+# against the matrix padded with zero rows to a multiple of this, their logits -inf: no share of
+# the softmax, no gradient, the same loss.
 GPU_VOCAB_MULTIPLE = 64
 
 
