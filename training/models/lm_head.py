@@ -87,7 +87,7 @@ class _FusedLMLoss(torch.autograd.Function):
                 logits[:, vocab:] = float("-inf")                                 # padding: probability 0
             valid = ys != IGNORE_INDEX
             target = torch.where(valid, ys, 0)
-            probs = torch.ops.aten._softmax.out(logits, -1, False, out=probs_buf[:s])      # (S, V)
+            probs = torch.ops.aten._softmax.out(logits, -1, False, out=probs_buf[:s])      # (S, V + pad)
             total += torch.where(valid, _target_nll(logits, probs, target), 0.0).sum()
             if want_h or want_w:
                 _slice_grads(probs, target, valid, hs, w, grad_h[start:start + slice_tokens] if want_h else None,
