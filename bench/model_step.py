@@ -60,15 +60,15 @@ def model_matmul_flops(cfg, tokens: int, device: str, dtype: torch.dtype, reps: 
     from retropipe.training.models.lm_head import slice_tokens_for, vocab_padding
 
     d, vocab = cfg.n_embd, cfg.vocab_size + vocab_padding(cfg.vocab_size, torch.device(device))
-    SLICE_TOKENS = slice_tokens_for(torch.device(device))  # noqa: N806 (the training path's constant)
+    slice_tokens = slice_tokens_for(torch.device(device))
     products = [(tokens, i, o) for i, o in ((d, 3 * d), (d, d), (d, 4 * d), (4 * d, d))]   # (rows, in, out)
     weights = {(i, o): torch.randn(i, o, device=device, dtype=dtype) for _, i, o in products}
     xs = {i: torch.randn(tokens, i, device=device, dtype=dtype) for _, i, _ in products}
     gs = {o: torch.randn(tokens, o, device=device, dtype=dtype) for _, _, o in products}
     head_w = torch.randn(vocab, d, device=device, dtype=dtype)
-    head_h = torch.randn(min(SLICE_TOKENS, tokens), d, device=device, dtype=dtype)
-    head_g = torch.randn(min(SLICE_TOKENS, tokens), vocab, device=device, dtype=dtype)
-    slices = [min(SLICE_TOKENS, tokens - s) for s in range(0, tokens, SLICE_TOKENS)]  # rows per head slice
+    head_h = torch.randn(min(slice_tokens, tokens), d, device=device, dtype=dtype)
+    head_g = torch.randn(min(slice_tokens, tokens), vocab, device=device, dtype=dtype)
+    slices = [min(slice_tokens, tokens - s) for s in range(0, tokens, slice_tokens)]  # rows per head slice
 
     def run():
         for _ in range(cfg.n_layer):

@@ -43,9 +43,19 @@ def vocab_padding(vocab: int, device: torch.device) -> int:
     return -vocab % GPU_VOCAB_MULTIPLE if device.type == "cuda" else 0
 
 
-def padded(w: torch.Tensor, pad: int) -> torch.Tensor:
-    """w (V, d) with `pad` zero rows after it; w itself when pad is 0 (no copy)."""
+def head_matrix(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The tied matrix (V, d) in the matmuls' dtype with its device's zero rows after it
+    (vocab_padding): (V + pad, d); no copy beyond the dtype's where there is no padding."""
+    w, pad = weight.to(dtype), vocab_padding(weight.shape[0], weight.device)
     return F.pad(w, (0, 0, 0, pad)) if pad else w
+
+
+def slice_logits(hs: torch.Tensor, w: torch.Tensor, vocab: int, out: torch.Tensor) -> torch.Tensor:
+    """hs (S, d) @ wᵀ into out (S, V + pad); the padding's columns -inf: probability 0, no gradient."""
+    logits = torch.mm(hs, w.t(), out=out)
+    if w.shape[0] > vocab:
+        logits[:, vocab:] = float("-inf")
+    return logits
 
 
 class _FusedLMLoss(torch.autograd.Function):
@@ -66,8 +76,8 @@ class _FusedLMLoss(torch.autograd.Function):
         # (V, d) fp32 copy per slice.
         mm_dtype = _autocast_dtype(h.device.type) or h.dtype
         acc_dtype = weight.dtype if weight.dtype == mm_dtype else torch.float32
-        slice_tokens, pad = slice_tokens or slice_tokens_for(h.device), vocab_padding(vocab, h.device)
-        hm, w = h.to(mm_dtype), padded(weight.to(mm_dtype), pad)                     # w (V + pad, d)
+        slice_tokens = slice_tokens or slice_tokens_for(h.device)
+        hm, w = h.to(mm_dtype), head_matrix(weight, mm_dtype)                        # w (V + pad, d)
         grad_w = torch.zeros_like(w, dtype=acc_dtype) if want_w else None
         # Two (S, V) buffers for all slices: the logits and their softmax. A fresh 51 MB tensor per
         # slice costs its page faults every time; a row-wise softmax into a buffer reads each row
@@ -77,14 +87,12 @@ class _FusedLMLoss(torch.autograd.Function):
         # matmuls. The loss then carries bf16's rounding of each target's probability (a relative
         # 2^-9, ±0.002 nats per token, unbiased); its gradient is as before.
         rows = min(slice_tokens, n_tokens)
-        logits_buf = torch.empty(rows, vocab + pad, dtype=mm_dtype, device=h.device)
-        probs_buf = torch.empty(rows, vocab + pad, dtype=mm_dtype, device=h.device)
+        logits_buf = torch.empty(rows, w.shape[0], dtype=mm_dtype, device=h.device)
+        probs_buf = torch.empty(rows, w.shape[0], dtype=mm_dtype, device=h.device)
         for start in range(0, n_tokens, slice_tokens):
             hs, ys = hm[start:start + slice_tokens], labels[start:start + slice_tokens]
             s = len(ys)
-            logits = torch.mm(hs, w.t(), out=logits_buf[:s])                      # (S, V + pad)
-            if pad:
-                logits[:, vocab:] = float("-inf")                                 # padding: probability 0
+            logits = slice_logits(hs, w, vocab, logits_buf[:s])                   # (S, V + pad)
             valid = ys != IGNORE_INDEX
             target = torch.where(valid, ys, 0)
             probs = torch.ops.aten._softmax.out(logits, -1, False, out=probs_buf[:s])      # (S, V + pad)
@@ -167,17 +175,14 @@ def token_nll(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, slic
         mm_dtype = _autocast_dtype(h.device.type) or h.dtype      # as _FusedLMLoss
         h2, y = h.reshape(-1, h.shape[-1]).to(mm_dtype), targets.reshape(-1)
         out = torch.empty(y.shape, dtype=torch.float32, device=h.device)
-        vocab = weight.shape[0]
-        slice_tokens, pad = slice_tokens or slice_tokens_for(h.device), vocab_padding(vocab, h.device)
-        w = padded(weight.to(mm_dtype), pad)                        # (V + pad, d), as _FusedLMLoss
+        slice_tokens = slice_tokens or slice_tokens_for(h.device)
+        w = head_matrix(weight, mm_dtype)                           # (V + pad, d), as _FusedLMLoss
         rows = min(slice_tokens, h2.shape[0])
         logits_buf = torch.empty(rows, w.shape[0], dtype=mm_dtype, device=h.device)  # reused: see _FusedLMLoss
         logp_buf = torch.empty(rows, w.shape[0], dtype=torch.float32, device=h.device)
         for start in range(0, h2.shape[0], slice_tokens):
             ys = y[start:start + slice_tokens]
-            logits = torch.mm(h2[start:start + slice_tokens], w.t(), out=logits_buf[:len(ys)])
-            if pad:
-                logits[:, vocab:] = float("-inf")
+            logits = slice_logits(h2[start:start + slice_tokens], w, weight.shape[0], logits_buf[:len(ys)])
             logp = torch.ops.aten.log_softmax.int_out(logits, -1, torch.float32, out=logp_buf[:len(ys)])
             valid = ys != IGNORE_INDEX                                    # no target: 0, as cross_entropy
             nll = -logp.gather(1, torch.where(valid, ys, 0)[:, None]).squeeze(1)
