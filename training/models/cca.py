@@ -16,17 +16,52 @@ from retropipe.training.models.config import ModelConfig
 from retropipe.training.models.gpt2 import attention
 
 
-def rotary(x: torch.Tensor, pos: torch.Tensor, base: float) -> torch.Tensor:
-    """Rotate feature pairs (x_i, x_{i+c/2}) of x (..., t, c) by pos (t,) · base^(-2i/c) (RoFormer, rotate-half).
+def rotary_tables(pos: torch.Tensor, width: int, heads: int, base: float, dtype: torch.dtype):
+    """cos and signed sin (t, heads·c), c = width / heads, for rotating each head's feature pairs
+    (x_i, x_{i+c/2}) by pos (t,) · base^(-2i/c): cos over both halves, sin negated over the first."""
+    c = width // heads
+    inv_freq = base ** (-torch.arange(0, c, 2, device=pos.device, dtype=torch.float32) / c)
+    angles = pos.to(torch.float32)[:, None] * inv_freq[None]  # (t, c/2), fp32 even under autocast
+    cos, sin = angles.cos(), angles.sin()
+    return (torch.cat([cos, cos], -1).repeat(1, heads).to(dtype),
+            torch.cat([-sin, sin], -1).repeat(1, heads).to(dtype))
+
+
+def swap_halves(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """x (..., heads·c) with each head's two halves swapped: (x_2, x_1) for (x_1, x_2)."""
+    halves = x.unflatten(-1, (heads, 2, -1))                                      # (..., h, 2, c/2)
+    return torch.cat([halves[..., 1:, :], halves[..., :1, :]], -2).flatten(-3)
+
+
+class _Rotary(torch.autograd.Function):
+    """x·cos + swap_halves(x)·sin forward, grad·cos + swap_halves(grad·sin) backward (the swap is
+    its own inverse), over whole rows of (B, t, heads·c) with (t, heads·c) tables.
+
+    Written with autograd over each head's halves, the rotation ran a dozen kernels each way, most
+    over rows of c/2 strided elements: at an encoder's 32-wide heads, 15% of a tiny RETRO block.
+    This takes 60% of that time (docs/benchmarks.md)."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, heads: int):
+        ctx.save_for_backward(cos, sin)
+        ctx.heads = heads
+        return torch.addcmul(x * cos, swap_halves(x, heads), sin)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        grad = grad.contiguous()  # it arrives in the heads' layout (B, h, t, c): strided rows here
+        return torch.addcmul(swap_halves(grad * sin, ctx.heads), grad, cos), None, None, None
+
+
+def rotary(x: torch.Tensor, pos: torch.Tensor, base: float, heads: int = 1) -> torch.Tensor:
+    """Rotate each head's feature pairs (x_i, x_{i+c/2}) of x (..., t, heads·c) by pos (t,) ·
+    base^(-2i/c) (RoFormer, rotate-half).
 
     q·k then depends on the positions only through their difference: a relative encoding.
     """
-    c = x.shape[-1]
-    inv_freq = base ** (-torch.arange(0, c, 2, device=x.device, dtype=torch.float32) / c)
-    angles = pos.to(torch.float32)[:, None] * inv_freq[None]  # (t, c/2), fp32 even under autocast
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    cos, sin = rotary_tables(pos, x.shape[-1], heads, base, x.dtype)
+    return _Rotary.apply(x, cos, sin, heads)
 
 
 def key_mask(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,19 +75,11 @@ def key_mask(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return valid | ~any_valid, any_valid
 
 
-def with_null_slot(k, v, mask, bias, key: torch.Tensor, logit: torch.Tensor):
-    """k, v (B, h, s, c) with a slot 0 of key `key` (h, c) and value zero prepended; mask and bias
-    (broadcastable to (B, h, t, s)) grown by that slot: always attendable, logit `logit` (h,)."""
+def with_null_slot(k: torch.Tensor, v: torch.Tensor, key: torch.Tensor):
+    """k, v (B, h, s, c) with a slot 0 of key `key` (h, c) and value zero prepended."""
     B, heads, _, c = k.shape
     k = torch.cat([key.to(k.dtype)[None, :, None].expand(B, heads, 1, c), k], dim=2)
-    v = torch.cat([v.new_zeros(B, heads, 1, c), v], dim=2)
-    if mask is not None:
-        mask = F.pad(mask, (1, 0), value=True)
-    lead = bias.shape[:-1] if bias is not None else (1, heads, 1)
-    slot = logit.view(1, heads, *([1] * (len(lead) - 2)), 1).expand(*lead, 1)
-    bias = torch.cat([slot.to(bias.dtype if bias is not None else logit.dtype), bias], dim=-1) if bias is not None \
-        else F.pad(slot, (0, k.shape[2] - 1))
-    return k, v, mask, bias
+    return k, torch.cat([v.new_zeros(B, heads, 1, c), v], dim=2)
 
 
 class Attention(nn.Module):
@@ -66,19 +93,18 @@ class Attention(nn.Module):
         self.proj = nn.Linear(width, d_q)
         self.resid_drop = nn.Dropout(dropout)
 
-    def forward(self, x, context, q_pos, k_pos, mask=None, bias=None, null=None):
-        # mask: bool, broadcastable to (B, heads, t, s), True = attend; bias: float, broadcastable
-        # to the same, added to the attention logits (a relative-position term). null: (key (heads,
-        # c), logit (heads,)) of a slot before the context whose value is zero: attending to it adds
-        # nothing (the copy gate's way to decline).
-        q = rearrange(self.q(x), "B t (h c) -> B h t c", h=self.n_head)
-        k, v = rearrange(self.kv(context), "B s (two h c) -> two B h s c", two=2, h=self.n_head)
-        q, k = rotary(q, q_pos, self.rotary_base), rotary(k, k_pos, self.rotary_base)
-        if null is not None:
-            k, v, mask, bias = with_null_slot(k, v, mask, bias, *null)
-        if bias is not None:
-            bias = bias.to(q.dtype)
-            mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
+    def forward(self, x, context, q_pos, k_pos, mask=None, null_key=None):
+        # mask: bool (True = attend) or float (added to the attention logits: a relative-position
+        # term, -inf where not attended), broadcastable to (B, heads, t, s). null_key (heads, c): a
+        # slot before the context whose value is zero, so attending to it adds nothing (the copy
+        # gate's way to decline); a float mask then holds its logits as column 0, (B, heads, t, 1 + s).
+        k, v = self.kv(context).chunk(2, dim=-1)
+        q, k = (rotary(z, pos, self.rotary_base, self.n_head) for z, pos in ((self.q(x), q_pos), (k, k_pos)))
+        q, k, v = (rearrange(z, "B t (h c) -> B h t c", h=self.n_head) for z in (q, k, v))
+        if null_key is not None:
+            k, v = with_null_slot(k, v, null_key)
+            if mask is not None and mask.dtype == torch.bool:
+                mask = F.pad(mask, (1, 0), value=True)
         y = attention(q, k, v, mask, self.dropout if self.training else 0.0)
         return self.resid_drop(self.proj(rearrange(y, "B h t c -> B t (h c)")))
 
@@ -162,34 +188,49 @@ class ChunkedCrossAttention(nn.Module):
         query's position and the one before (-1 = none) → (B, t, d), an exact zero where a chunk
         has no neighbour at all."""
         m = self.chunk_len
-        B, k, r = neighbours.shape
+        k, r = neighbours.shape[1:]
         context = rearrange(encoded, "B k r e -> B (k r) e")
-        valid = rearrange(neighbours >= 0, "B k r -> B 1 1 (k r)")  # broadcast over heads, queries
-        mask, any_valid = key_mask(valid)
+        valid, any_valid = key_mask(rearrange(neighbours >= 0, "B k r -> B (k r)"))     # (B, k r), (B, 1)
         q_pos = rows + (m - 1)
         k_pos = torch.arange(r, device=q.device).repeat(k)  # every neighbour starts at offset 0
-        offsets = k_pos[None, :] - q_pos[:, None] + 2 * m - 2   # (t, k r), indices into position_bias
-        bias = self.position_bias_scale * self.position_bias[:, offsets][None]   # (1, heads, t, k r)
-        null = None
-        if self.copy_gate:
-            bias = bias + self.match_logits(neighbours, current)                  # (B, heads, t, k r)
-            null = (self.null_key, self.gate_scale * self.null_bias)
-        y = self.attn(q, context, q_pos, k_pos, mask, bias, null)  # (B, t, d)
-        return y * rearrange(any_valid, "B 1 1 1 -> B 1 1").to(y.dtype)  # no neighbour → exact zero
+        logits = self.logit_bias(q_pos, k_pos, valid, neighbours, current, q.dtype)
+        y = self.attn(q, context, q_pos, k_pos, logits, self.null_key if self.copy_gate else None)   # (B, t, d)
+        return y * any_valid[:, :, None].to(y.dtype)  # no neighbour → exact zero
 
-    def match_logits(self, neighbours: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
-        """(B, heads, t, k r): the copy gate's bonus on neighbour token j where token j - 1 of the
+    def logit_bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor, valid: torch.Tensor, neighbours: torch.Tensor,
+                   current: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """The term added to the attention logits of queries at q_pos (t,) over keys at k_pos
+        (s = k r,): the position bias, -inf at keys not `valid` (B, s), and with the copy gate its
+        bonuses and the null slot's logit as column 0 → (B, heads, t, [1 +] s) in dtype.
+
+        The gate's term is one batched product, term + bonus (heads, 2) · marks (2, t (1 + s)) per
+        chunk, over the channels (match, bigram) of each key, its additive term the null slot's
+        column and the position bias. Built from broadcasts, the same sum took a dozen passes over
+        (B, heads, t, s) each way (docs/benchmarks.md)."""
+        m, (B, s), t = self.chunk_len, valid.shape, len(q_pos)
+        offsets = k_pos[None, :] - q_pos[:, None] + 2 * m - 2                    # (t, s), into position_bias
+        position = self.position_bias_scale * self.position_bias[:, offsets]     # (heads, t, s)
+        blocked = torch.zeros(B, s, dtype=dtype, device=valid.device).masked_fill_(~valid, float("-inf"))
+        if not self.copy_gate:
+            return position.to(dtype) + blocked[:, None, None]                   # (B, heads, t, s)
+        heads = position.shape[0]
+        null = (self.gate_scale * self.null_bias)[:, None, None].expand(heads, t, 1)
+        term = torch.cat([null, position], -1).to(dtype).flatten(1)             # (heads, t (1 + s))
+        bonus = (self.gate_scale * torch.stack([self.match_bias, self.bigram_bias], 1)).to(dtype)   # (heads, 2)
+        marks = F.pad(self.matches(neighbours, current), (1, 0)).to(dtype).flatten(2)   # (B, 2, t (1 + s))
+        logits = torch.baddbmm(term.expand(B, -1, -1), bonus.expand(B, -1, -1), marks)  # (B, heads, t (1 + s))
+        return logits.view(B, heads, t, 1 + s).add_(F.pad(blocked, (1, 0))[:, None, None])
+
+    def matches(self, neighbours: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+        """(B, 2, t, k r) bool: [match, bigram]. match on neighbour token j where token j - 1 of the
         same neighbour is the query's current token (the neighbour matches the text just read, so
-        its token j may be the next one), and more where token j - 2 is also the one before it.
+        its token j may be the next one); bigram where token j - 2 is also the one before it.
         current (B, t, 2): each query's token and the one before."""
         previous, previous2 = (rearrange(F.pad(neighbours, (s, -s), value=-1), "B k r -> B 1 (k r)")
                                for s in (1, 2))                                          # tokens j - 1, j - 2
         match = (previous == current[:, :, None, 0]) & (previous >= 0)                   # (B, t, k r)
         bigram = match & (previous2 == current[:, :, None, 1]) & (previous2 >= 0)
-        dtype = self.match_bias.dtype
-        bonus = (self.match_bias[None, :, None, None] * match[:, None].to(dtype)
-                 + self.bigram_bias[None, :, None, None] * bigram[:, None].to(dtype))
-        return self.gate_scale * bonus
+        return torch.stack([match, bigram], 1)
 
     def decode(self, h: torch.Tensor, start: int, encoded: torch.Tensor | None, neighbours: torch.Tensor,
                tokens: torch.Tensor | None = None) -> torch.Tensor:
