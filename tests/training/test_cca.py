@@ -104,9 +104,9 @@ def test_rotary_rotates_each_heads_halves_and_is_relative():
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_the_ccas_logit_term_and_its_gradients_are_the_broadcast_sums(dtype):
-    """The CCA's additive logits (written into one buffer, with their own backward) equal the
-    broadcast sum of the position bias, the copy gate's bonuses and the null slot's logit, -inf at
-    missing keys, and give every parameter the gradient autograd gives that sum."""
+    """The CCA's additive logits (one batched product and the keys' mask) equal the broadcast sum
+    of the position bias, the copy gate's bonuses and the null slot's logit, -inf at missing keys,
+    and give every parameter the gradient autograd gives that sum."""
     from retropipe.training.models.cca import ChunkedCrossAttention
 
     torch.manual_seed(0)

@@ -14,6 +14,7 @@ from einops import rearrange
 
 from retropipe.training.models.config import ModelConfig
 from retropipe.training.models.gpt2 import attention
+from retropipe.training.models.lm_head import autocast_dtype
 
 
 def rotary_tables(pos: torch.Tensor, width: int, heads: int, base: float, dtype: torch.dtype):
@@ -65,7 +66,7 @@ def rotary(x: torch.Tensor, pos: torch.Tensor, base: float, heads: int = 1) -> t
 
 
 def key_mask(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """From valid keys (..., t) bool: the SDPA mask and whether any key is valid (..., 1).
+    """From valid keys (..., t) bool: the keys to attend to and whether any key is valid (..., 1).
 
     A row with no valid key would softmax over nothing (NaN, and NaN gradients even if the output
     is zeroed later), so such rows attend to all keys instead and the caller multiplies their
@@ -97,7 +98,8 @@ class Attention(nn.Module):
         # mask: bool (True = attend) or float (added to the attention logits: a relative-position
         # term, -inf where not attended), broadcastable to (B, heads, t, s). null_key (heads, c): a
         # slot before the context whose value is zero, so attending to it adds nothing (the copy
-        # gate's way to decline); a float mask then holds its logits as column 0, (B, heads, t, 1 + s).
+        # gate's way to decline): a float mask then holds its logits as column 0, (B, heads, t, 1 + s);
+        # with a bool mask or none its logit is q·null_key alone.
         k, v = self.kv(context).chunk(2, dim=-1)
         q, k = (rotary(z, pos, self.rotary_base, self.n_head) for z, pos in ((self.q(x), q_pos), (k, k_pos)))
         q, k, v = (rearrange(z, "B t (h c) -> B h t c", h=self.n_head) for z in (q, k, v))
@@ -193,7 +195,8 @@ class ChunkedCrossAttention(nn.Module):
         valid, any_valid = key_mask(rearrange(neighbours >= 0, "B k r -> B (k r)"))     # (B, k r), (B, 1)
         q_pos = rows + (m - 1)
         k_pos = torch.arange(r, device=q.device).repeat(k)  # every neighbour starts at offset 0
-        logits = self.logit_bias(q_pos, k_pos, valid, neighbours, current, q.dtype)
+        dtype = autocast_dtype(q.device.type) or q.dtype                       # the scores' dtype
+        logits = self.logit_bias(q_pos, k_pos, valid, neighbours, current, dtype)
         y = self.attn(q, context, q_pos, k_pos, logits, self.null_key if self.copy_gate else None)   # (B, t, d)
         return y * any_valid[:, :, None].to(y.dtype)  # no neighbour → exact zero
 

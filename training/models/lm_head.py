@@ -74,7 +74,7 @@ class _FusedLMLoss(torch.autograd.Function):
         # over the slices in fp32, or, where W itself is bf16 (a bf16 model, as DeepSpeed trains
         # it), in W's dtype as every other gradient of that model is made: in place, without a
         # (V, d) fp32 copy per slice.
-        mm_dtype = _autocast_dtype(h.device.type) or h.dtype
+        mm_dtype = autocast_dtype(h.device.type) or h.dtype
         acc_dtype = weight.dtype if weight.dtype == mm_dtype else torch.float32
         slice_tokens = slice_tokens or slice_tokens_for(h.device)
         hm, w = h.to(mm_dtype), head_matrix(weight, mm_dtype)                        # w (V + pad, d)
@@ -147,7 +147,7 @@ def _slice_grads(probs: torch.Tensor, target: torch.Tensor, valid: torch.Tensor,
             grad_w += (grad.t() @ hs).float()
 
 
-def _autocast_dtype(device_type: str) -> torch.dtype | None:
+def autocast_dtype(device_type: str) -> torch.dtype | None:
     """The dtype autocast computes matmuls in on this device type, or None when it is off."""
     try:
         return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
@@ -172,7 +172,7 @@ def lm_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, slice_t
 def token_nll(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, slice_tokens: int | None = None) -> torch.Tensor:
     """Per-token NLL (b, n) of targets under the head, without gradients, slice by slice (evaluation)."""
     with torch.no_grad():
-        mm_dtype = _autocast_dtype(h.device.type) or h.dtype      # as _FusedLMLoss
+        mm_dtype = autocast_dtype(h.device.type) or h.dtype      # as _FusedLMLoss
         h2, y = h.reshape(-1, h.shape[-1]).to(mm_dtype), targets.reshape(-1)
         out = torch.empty(y.shape, dtype=torch.float32, device=h.device)
         slice_tokens = slice_tokens or slice_tokens_for(h.device)
