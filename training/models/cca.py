@@ -222,7 +222,8 @@ class ChunkedCrossAttention(nn.Module):
         bonus = (self.gate_scale * torch.stack([self.match_bias, self.bigram_bias], 1)).to(dtype)   # (heads, 2)
         marks = F.pad(self.matches(neighbours, current), (1, 0)).to(dtype).flatten(2)   # (B, 2, t (1 + s))
         logits = torch.baddbmm(term.expand(B, -1, -1), bonus.expand(B, -1, -1), marks)  # (B, heads, t (1 + s))
-        return logits.view(B, heads, t, 1 + s).add_(F.pad(blocked, (1, 0))[:, None, None])
+        # Out of place: added in place to this view, backward would copy the whole term once more.
+        return logits.view(B, heads, t, 1 + s) + F.pad(blocked, (1, 0))[:, None, None]
 
     def matches(self, neighbours: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
         """(B, 2, t, k r) bool: [match, bigram]. match on neighbour token j where token j - 1 of the
