@@ -98,15 +98,13 @@ class Attention(nn.Module):
         # mask: bool (True = attend) or float (added to the attention logits: a relative-position
         # term, -inf where not attended), broadcastable to (B, heads, t, s). null_key (heads, c): a
         # slot before the context whose value is zero, so attending to it adds nothing (the copy
-        # gate's way to decline): a float mask then holds its logits as column 0, (B, heads, t, 1 + s);
-        # with a bool mask or none its logit is q·null_key alone.
+        # gate's way to decline); the mask is then float and holds the slot's logits as column 0,
+        # (B, heads, t, 1 + s) (ChunkedCrossAttention.logit_bias).
         k, v = self.kv(context).chunk(2, dim=-1)
         q, k = (rotary(z, pos, self.rotary_base, self.n_head) for z, pos in ((self.q(x), q_pos), (k, k_pos)))
         q, k, v = (rearrange(z, "B t (h c) -> B h t c", h=self.n_head) for z in (q, k, v))
         if null_key is not None:
             k, v = with_null_slot(k, v, null_key)
-            if mask is not None and mask.dtype == torch.bool:
-                mask = F.pad(mask, (1, 0), value=True)
         y = attention(q, k, v, mask, self.dropout if self.training else 0.0)
         return self.resid_drop(self.proj(rearrange(y, "B h t c -> B t (h c)")))
 
