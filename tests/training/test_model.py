@@ -142,8 +142,10 @@ def test_fused_head_gives_the_plain_loss_and_gradients():
     w_far = torch.tensor([[1.0, 0.0], [0.0, 0.0], [-1.0, 0.0]])
     y_far = torch.tensor([[2, 1]])                       # NLL 200 (probability e^-200) and 100
     torch.testing.assert_close(lm_loss(h_far, w_far, y_far), loss_fn(h_far @ w_far.t(), y_far))
+    torch.testing.assert_close(token_nll(h_far, w_far, y_far), torch.tensor([[200.0, 100.0]]))
     # bf16: matmuls and the stored softmax in bf16, the loss in fp32 from each target's bf16
-    # probability (within bf16's rounding, 2^-9 nats), gradients in the inputs' dtypes.
+    # probability (within bf16's rounding, 2^-8 relative: 2^-8 nats per token, less on average),
+    # gradients in the inputs' dtypes.
     hb, wb = h.detach().bfloat16().requires_grad_(), w.bfloat16().requires_grad_()
     lb = lm_loss(hb, wb, y, slice_tokens=4)
     lb.backward()
@@ -152,6 +154,8 @@ def test_fused_head_gives_the_plain_loss_and_gradients():
     lr = loss_fn((hr @ wr.t()).bfloat16().float(), y)
     lr.backward()
     torch.testing.assert_close(lb, lr, rtol=0, atol=2 ** -9)
+    per_token = torch.nn.functional.cross_entropy((hr @ wr.t()).bfloat16().float().transpose(1, 2), y, reduction="none")
+    torch.testing.assert_close(token_nll(hb.detach(), wb.detach(), y, slice_tokens=4), per_token, rtol=0, atol=2 ** -8)
     torch.testing.assert_close(hb.grad.float(), hr.grad, rtol=2e-2, atol=2e-3)
     torch.testing.assert_close(wb.grad.float(), wr.grad, rtol=2e-2, atol=2e-3)
     # Under autocast (fp32 inputs) the head's matmuls run in autocast's dtype, as `h @ Wᵀ` would.

@@ -85,7 +85,7 @@ class _FusedLMLoss(torch.autograd.Function):
         # softmax is stored in the matmuls' dtype (computed in fp32 inside the kernel): in bf16 it
         # is the gradient's dtype anyway, and an fp32 copy of each slice cost more than the
         # matmuls. The loss then carries bf16's rounding of each target's probability (a relative
-        # 2^-9, ±0.002 nats per token, unbiased); its gradient is as before.
+        # 2^-8 at most, ±0.004 nats per token, unbiased); its gradient is as before.
         rows = min(slice_tokens, n_tokens)
         logits_buf = torch.empty(rows, w.shape[0], dtype=mm_dtype, device=h.device)
         probs_buf = torch.empty(rows, w.shape[0], dtype=mm_dtype, device=h.device)
@@ -170,7 +170,15 @@ def lm_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, slice_t
 
 
 def token_nll(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, slice_tokens: int | None = None) -> torch.Tensor:
-    """Per-token NLL (b, n) of targets under the head, without gradients, slice by slice (evaluation)."""
+    """Per-token NLL (b, n) of targets under the head, without gradients, slice by slice (evaluation).
+
+    As the training loss computes it: each slice's softmax in the matmuls' dtype, the NLL from the
+    target's probability, exact from the logits where that underflows (`_target_nll`). In bf16 the
+    probability carries bf16's rounding (a relative 2^-8 at most, ±0.004 nats per token, unbiased),
+    less than the bf16 logits' own; in fp32 the NLL is fp32's. A log-softmax into an fp32 buffer
+    gave the same figures at a third of the speed: its (S, V) fp32 pass with a logarithm per
+    element was most of an evaluation's time (docs/benchmarks.md).
+    """
     with torch.no_grad():
         mm_dtype = autocast_dtype(h.device.type) or h.dtype      # as _FusedLMLoss
         h2, y = h.reshape(-1, h.shape[-1]).to(mm_dtype), targets.reshape(-1)
@@ -179,12 +187,11 @@ def token_nll(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, slic
         w = head_matrix(weight, mm_dtype)                           # (V + pad, d), as _FusedLMLoss
         rows = min(slice_tokens, h2.shape[0])
         logits_buf = torch.empty(rows, w.shape[0], dtype=mm_dtype, device=h.device)  # reused: see _FusedLMLoss
-        logp_buf = torch.empty(rows, w.shape[0], dtype=torch.float32, device=h.device)
+        probs_buf = torch.empty(rows, w.shape[0], dtype=mm_dtype, device=h.device)
         for start in range(0, h2.shape[0], slice_tokens):
             ys = y[start:start + slice_tokens]
             logits = slice_logits(h2[start:start + slice_tokens], w, weight.shape[0], logits_buf[:len(ys)])
-            logp = torch.ops.aten.log_softmax.int_out(logits, -1, torch.float32, out=logp_buf[:len(ys)])
+            probs = torch.ops.aten._softmax.out(logits, -1, False, out=probs_buf[:len(ys)])
             valid = ys != IGNORE_INDEX                                    # no target: 0, as cross_entropy
-            nll = -logp.gather(1, torch.where(valid, ys, 0)[:, None]).squeeze(1)
-            out[start:start + slice_tokens] = torch.where(valid, nll, 0.0)
+            out[start:start + slice_tokens] = torch.where(valid, _target_nll(logits, probs, torch.where(valid, ys, 0)), 0.0)
         return out.view(targets.shape)
