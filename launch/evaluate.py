@@ -17,6 +17,7 @@ launch/build_index.py (a bigger one, say) instead of <workdir>/retrieval: no ret
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -43,6 +44,8 @@ def evaluate(cfg, checkpoints: list[Path], split: str, out: Path, corpus: str | 
     from retropipe.training.evaluation.scoring import token_byte_lengths
     from retropipe.training.models.io import load_model
 
+    # "auto" as it stands on this machine: the report, its fingerprint and config.yaml name the precision scored in.
+    cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, precision=cfg.eval.resolved_precision()))
     train_store = ChunkStore(cfg.data_dir)
     store = train_store
     if corpus:

@@ -162,7 +162,7 @@ def write_report(report: dict, run_dirs: list[Path], out: Path) -> None:
               else f"{report['split']} split of {report.get('corpus', 'the corpus')}")
     md = [f"# Evaluation report ({source})", "",
           f"Sliding window {report['window']} tokens, stride {report['stride']}; {report['chunks']:,} chunks; "
-          f"neighbours from {report.get('database', 'the database')}.", "",
+          f"scored in {report.get('precision', 'fp32')}; neighbours from {report.get('database', 'the database')}.", "",
           "RETRO[ON] reads each chunk's own neighbours, RETRO[OFF] none, RETRO[SHUFFLED] those retrieved for a "
           "chunk of another document, as retrieved (same count, text that does not belong; neither lined up nor "
           "filtered): ON below SHUFFLED is the use of what the neighbours say; SHUFFLED near OFF means the model "

@@ -60,6 +60,8 @@ def test_impossible_values_say_why(tmp_path):
         load_config(None, ["train.self_neighbours=1.5"])
     with pytest.raises(ConfigError, match=r"retrieval.aligned_only.*align_neighbours"):
         load_config(None, ["retrieval.aligned_only=true", "retrieval.align_neighbours=false"])
+    with pytest.raises(ConfigError, match=r"eval.precision.*'auto', 'bf16' or 'fp32'"):
+        load_config(None, ["eval.precision=fp16"])
 
 
 def test_resolved_config_is_written(tmp_path):

@@ -108,6 +108,20 @@ def test_a_database_curve_point_that_reads_what_retro_on_read_is_not_scored_agai
     assert full["retro"] == report["rows"][0]["bits_per_byte"] != fewer["retro"]
 
 
+def test_scoring_in_bf16_runs_in_bf16_and_agrees_with_fp32(tiny):
+    """eval.precision: bf16 scores differ from fp32's (the matmuls and the head's softmax run in
+    bf16) by bf16's rounding only; the report names the precision it scored in."""
+    from retropipe.training.evaluation.config import EvalConfig
+    from retropipe.training.evaluation.evaluate import evaluate_models
+
+    chunks, model, enc = tiny
+    reports = {p: evaluate_models([("gpt2", model)], chunks, token_byte_lengths(enc),
+                                  EvalConfig(window=16, stride=8, precision=p)) for p in ("fp32", "bf16")}
+    fp32, bf16 = (reports[p]["rows"][0]["bits_per_byte"] for p in ("fp32", "bf16"))
+    assert [reports[p]["precision"] for p in ("fp32", "bf16")] == ["fp32", "bf16"]
+    assert bf16 != fp32 and bf16 == pytest.approx(fp32, rel=1e-2)
+
+
 def test_retro_scores_equal_a_forward_that_reads_every_neighbour(tiny):
     """Scoring leaves each window's last chunk's neighbours unread (they steer only the last
     position, which predicts past the window), and evaluation encodes only the chunks that have a

@@ -20,9 +20,11 @@ growing databases (`curve`: one neighbour source per database size).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from retropipe.training.evaluation.leakage import alpha_buckets, alpha_slices, leakage
 from retropipe.training.evaluation.scoring import ChunkScores, score_split
@@ -64,11 +66,13 @@ def evaluate_models(models: list[tuple[str, object]], chunks, byte_lengths: np.n
     e = eval_cfg
     count = min(len(chunks), e.max_chunks or len(chunks))
     scores: dict[str, ChunkScores] = {}
+    precision = e.resolved_precision()
 
     def score(name, model, source, k):
         bar = progress(name) if progress else None
-        scores[name] = score_split(model, chunks, byte_lengths, e.window, e.stride, source, k, e.batch_size,
-                                   device=device, progress=bar, max_chunks=e.max_chunks)
+        with scoring_precision(precision, device or next(model.parameters()).device):
+            scores[name] = score_split(model, chunks, byte_lengths, e.window, e.stride, source, k, e.batch_size,
+                                       device=device, progress=bar, max_chunks=e.max_chunks)
         return scores[name]
 
     rows = []
@@ -76,8 +80,8 @@ def evaluate_models(models: list[tuple[str, object]], chunks, byte_lengths: np.n
         s = score(row.name, row.model, row.neighbours, row.k)
         rows.append({"model": row.name, "bits_per_byte": s.bits_per_byte(), "perplexity": s.perplexity(),
                      "tokens": int(s.tokens.sum()), "bytes": int(s.bytes.sum())})
-    report = {"window": e.window, "stride": e.stride, "chunks": count, "rows": rows, "alpha": None,
-              "database_curve": None}
+    report = {"window": e.window, "stride": e.stride, "chunks": count, "precision": precision, "rows": rows,
+              "alpha": None, "database_curve": None}
     if neighbours is not None:
         alpha = leakage(chunks, neighbours, e.neighbours, count)
 
@@ -102,6 +106,13 @@ def evaluate_models(models: list[tuple[str, object]], chunks, byte_lengths: np.n
             points.append(point)
         report["database_curve"] = {"models": [label for label, _ in retro], "points": points}
     return report
+
+
+def scoring_precision(precision: str, device) -> contextlib.AbstractContextManager:
+    """Autocast to bf16 on the batches' device for precision "bf16"; nothing for "fp32"."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
 
 
 def same_neighbour_tokens(source, other, split: str, count: int, k: int, block: int = 4096) -> bool:
