@@ -44,7 +44,8 @@ from retropipe.data.store import ChunkStore  # noqa: E402
 from retropipe.data.tokenizer import get_tokenizer  # noqa: E402
 from retropipe.launch.ray_utils import RayExecutor  # noqa: E402
 from retropipe.retrieval.embed import (SUB_BATCH, EmbedJob, EmbedSpec, chunk_texts, embed, load_embedder,  # noqa: E402
-                                       plan_jobs, resolve_embed_precision, resolve_model_path)
+                                       plan_jobs, resolve_embed_precision, resolve_model_path, token_lengths)
+from retropipe.retrieval.config import RetrievalConfig  # noqa: E402
 from retropipe.retrieval.ray_embed import EmbedChunks, RayEmbedRunner  # noqa: E402
 
 
@@ -76,7 +77,7 @@ def first_jobs(store: ChunkStore, n: int, batch_size: int) -> list[EmbedJob]:
 
 def flops_per_chunk(model, texts_per_job: list[list[str]]) -> tuple[float, float, float]:
     """(model FLOPs per chunk, mean padded WordPiece length, mean real length) for these jobs,
-    sub-batched exactly as `embed` does: sorted by characters, SUB_BATCH texts per forward."""
+    sub-batched exactly as `embed` does: sorted by tokens, SUB_BATCH texts per forward."""
     bert = model[0].auto_model
     cfg = bert.config
     p_enc = sum(p.numel() for p in bert.encoder.parameters())
@@ -84,7 +85,7 @@ def flops_per_chunk(model, texts_per_job: list[list[str]]) -> tuple[float, float
     preprocess = getattr(model, "preprocess", None) or model.tokenize
     flops, padded, real, count = 0.0, 0, 0, 0
     for texts in texts_per_job:
-        order = np.argsort([len(t) for t in texts], kind="stable")
+        order = np.argsort(token_lengths(model, texts), kind="stable")
         for start in range(0, len(texts), SUB_BATCH):
             mask = preprocess([texts[i] for i in order[start:start + SUB_BATCH]])["attention_mask"]
             b, t = mask.shape
@@ -164,7 +165,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-documents", type=int, default=3000, help="documents prepared (0 = all)")
     parser.add_argument("--actors", default="1,2", help="Ray actor counts to measure")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds; the best of each is kept")
-    parser.add_argument("--batch-size", type=int, default=64, help="chunks per job (retrieval.embed_batch_size)")
+    parser.add_argument("--batch-size", type=int, default=RetrievalConfig().embed_batch_size,
+                        help="chunks per job (retrieval.embed_batch_size)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--precisions", default="fp32,auto",
                         help="retrieval.embed_precision values measured in-process; the last one also through Ray")

@@ -34,6 +34,31 @@ def test_embed_matches_sentence_transformers_encode():
     np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)
 
 
+def test_embed_pads_sub_batches_sorted_by_the_embedders_tokens_not_characters():
+    """A text's characters say little about its WordPiece count; sub-batches of texts sorted by
+    tokens are padded less, and the vectors come back in the input order."""
+    from retropipe.retrieval.embed import token_lengths
+
+    model = cached_embedder(str(resolve_model_path("")))
+    texts = ["word " * 20, "pneumonoultramicroscopicsilicovolcanoconiosis tachyphylaxis", "ok",
+             "zyzzyva quixotic sphygmomanometer", "a b c d e f g h"]
+    tokens = np.array(token_lengths(model, texts))
+
+    def padded(order):                                   # tokens fed in sub-batches of 2 in this order
+        return sum(len(g) * g.max() for g in np.split(tokens[order], range(2, len(texts), 2)))
+    by_tokens, by_chars = padded(np.argsort(tokens, kind="stable")), padded(np.argsort([len(t) for t in texts]))
+    assert by_tokens < by_chars
+    fed = []
+    hook = model[0].register_forward_pre_hook(lambda module, args: fed.append(args[0]["attention_mask"].numel()))
+    try:
+        ours = embed(model, texts, sub_batch=2)
+    finally:
+        hook.remove()
+    assert sum(fed) == by_tokens
+    one_by_one = np.concatenate([embed(model, [t]) for t in texts])
+    np.testing.assert_allclose(ours, one_by_one, atol=2e-5)
+
+
 def test_embeddings_are_aligned_with_chunk_shards(built):
     root, store, result = built
     manifest = result["embeddings"]
