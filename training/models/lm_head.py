@@ -175,9 +175,9 @@ def token_nll(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, slic
     As the training loss computes it: each slice's softmax in the matmuls' dtype, the NLL from the
     target's probability, exact from the logits where that underflows (`_target_nll`). In bf16 the
     probability carries bf16's rounding (a relative 2^-8 at most, ±0.004 nats per token, unbiased),
-    less than the bf16 logits' own; in fp32 the NLL is fp32's. A log-softmax into an fp32 buffer
-    gave the same figures at a third of the speed: its (S, V) fp32 pass with a logarithm per
-    element was most of an evaluation's time (docs/benchmarks.md).
+    less than the bf16 logits' own; in fp32 the NLL is fp32's. A log-softmax into an fp32 buffer,
+    its (S, V) pass with a logarithm per element, took three times as long under bf16 and 1.1
+    times in fp32 (docs/benchmarks.md).
     """
     with torch.no_grad():
         mm_dtype = autocast_dtype(h.device.type) or h.dtype      # as _FusedLMLoss
