@@ -31,6 +31,22 @@ def model_dir_of(path: Path) -> Path:
     return path / "model" if (path / "model" / "config.json").exists() else path
 
 
+def scoring_precision_on(precision: str, device: str) -> str:
+    """eval.precision on `device`: "auto" is bf16 where the device has bf16 matmuls in hardware (a
+    CPU with AVX512-BF16 or AMX, a GPU of compute capability 8.0 or newer), else fp32."""
+    if precision != "auto":
+        return precision
+    if device.startswith("cuda"):
+        import torch
+
+        from retropipe.training.run.hardware import gpu_has_bf16
+
+        return "bf16" if gpu_has_bf16(torch.cuda.get_device_capability(torch.device(device))) else "fp32"
+    from retropipe.data.cpu import cpu_has_bf16
+
+    return "bf16" if cpu_has_bf16() else "fp32"
+
+
 def evaluate(cfg, checkpoints: list[Path], split: str, out: Path, corpus: str | None = None,
              database: Path | None = None, device: str = "cpu", progress: bool = True) -> dict:
     """Score every checkpoint on `split` (or on a held-out corpus); write the report files into out."""
@@ -44,8 +60,9 @@ def evaluate(cfg, checkpoints: list[Path], split: str, out: Path, corpus: str | 
     from retropipe.training.evaluation.scoring import token_byte_lengths
     from retropipe.training.models.io import load_model
 
-    # "auto" as it stands on this machine: the report, its fingerprint and config.yaml name the precision scored in.
-    cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, precision=cfg.eval.resolved_precision()))
+    # "auto" as it stands on this device: the report, its fingerprint and config.yaml name the precision scored in.
+    cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, precision=scoring_precision_on(cfg.eval.precision,
+                                                                                                 device)))
     train_store = ChunkStore(cfg.data_dir)
     store = train_store
     if corpus:

@@ -199,3 +199,19 @@ def test_demo_refuses_an_older_demos_runs_before_any_stage(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"Delete {runs['gpt2']} and {runs['retro']}" in err and "--set workdir" in err
     assert not (tmp_path / "corpora").exists()  # no stage ran
+
+
+def test_eval_precision_auto_follows_the_device(monkeypatch):
+    """eval.precision auto: bf16 on a CPU with bf16 matmuls, fp32 on one without; a precision
+    asked for is kept; evaluate_models takes only a resolved one."""
+    from retropipe.data import cpu
+    from retropipe.launch.evaluate import scoring_precision_on
+    from retropipe.training.evaluation.config import EvalConfig
+    from retropipe.training.evaluation.evaluate import evaluate_models
+
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    assert scoring_precision_on("auto", "cpu") == "fp32" and scoring_precision_on("bf16", "cpu") == "bf16"
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f", "avx512_bf16"}))
+    assert scoring_precision_on("auto", "cpu") == "bf16" and scoring_precision_on("fp32", "cpu") == "fp32"
+    with pytest.raises(ValueError, match="eval.precision 'auto'"):
+        evaluate_models([], [], None, EvalConfig())

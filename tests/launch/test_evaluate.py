@@ -99,7 +99,7 @@ def test_a_database_curve_point_that_reads_what_retro_on_read_is_not_scored_agai
     other = TableNeighbours(np.where(np.arange(16) < 8, table, -1))   # the same chunks, no continuations
     scored = []
     report = evaluate_models([("retro", retro)], chunks, token_byte_lengths(enc),
-                             EvalConfig(window=16, stride=8, neighbours=2), on,
+                             EvalConfig(window=16, stride=8, neighbours=2, precision="fp32"), on,
                              [("fewer", 10, other), ("all", 20, TableNeighbours(table))],
                              progress=lambda name: scored.append(name) or (lambda xs: xs))
     assert scored == ["retro RETRO[ON] k=2", "retro RETRO[OFF]", "retro RETRO[SHUFFLED]",

@@ -22,8 +22,9 @@ class EvalConfig:
     # further corpora's documents (retrieval.corpora), e.g. [0, 0.125, 0.25, 0.5, 1]; [] = none.
     database_curve: list[float] = field(default_factory=list)
     # Scoring precision: "bf16" (autocast, the head's softmax too), "fp32", or "auto": bf16 where
-    # the device computes it in hardware (AVX512-BF16 / AMX CPUs, Ampere and newer GPUs), as
-    # train.precision's auto, else fp32. The demo's figures agree within 0.0002 bits per byte.
+    # the device scored on computes it in hardware (AVX512-BF16 / AMX CPUs, Ampere and newer
+    # GPUs), else fp32; launch/evaluate.py resolves it. The demo's figures agree within 0.0002
+    # bits per byte.
     precision: str = "auto"
 
     def __post_init__(self):
@@ -36,10 +37,3 @@ class EvalConfig:
                 f"fractions must lie in [0, 1], got {self.database_curve}")
         require(self.precision in ("auto", "bf16", "fp32"), "eval.precision",
                 f"must be 'auto', 'bf16' or 'fp32', got {self.precision!r}")
-
-    def resolved_precision(self) -> str:
-        """"bf16" or "fp32": what "auto" stands for on this machine (fp32 where training's auto
-        would pick fp16, on GPUs without bf16: scores are not worth fp16's range)."""
-        from retropipe.training.run.hardware import resolve_precision
-
-        return self.precision if self.precision != "auto" else ("bf16" if resolve_precision("auto") == "bf16" else "fp32")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -61,16 +62,16 @@ def evaluate_models(models: list[tuple[str, object]], chunks, byte_lengths: np.n
     """Score every row on `chunks` (data.store.SplitChunks); the report as a JSON-able dict.
 
     curve: [(label, database tokens, neighbour source)] for the database-size curve (RETRO only).
-    device: where the batches go (None = each model's own device).
+    device: where the batches go (None = each model's own device). eval_cfg.precision: "bf16" or "fp32".
     """
     e = eval_cfg
     count = min(len(chunks), e.max_chunks or len(chunks))
     scores: dict[str, ChunkScores] = {}
-    precision = e.resolved_precision()
+    autocast = scoring_precision(e.precision)
 
     def score(name, model, source, k):
         bar = progress(name) if progress else None
-        with scoring_precision(precision, device or next(model.parameters()).device):
+        with autocast(device or next(model.parameters()).device):
             scores[name] = score_split(model, chunks, byte_lengths, e.window, e.stride, source, k, e.batch_size,
                                        device=device, progress=bar, max_chunks=e.max_chunks)
         return scores[name]
@@ -80,7 +81,7 @@ def evaluate_models(models: list[tuple[str, object]], chunks, byte_lengths: np.n
         s = score(row.name, row.model, row.neighbours, row.k)
         rows.append({"model": row.name, "bits_per_byte": s.bits_per_byte(), "perplexity": s.perplexity(),
                      "tokens": int(s.tokens.sum()), "bytes": int(s.bytes.sum())})
-    report = {"window": e.window, "stride": e.stride, "chunks": count, "precision": precision, "rows": rows,
+    report = {"window": e.window, "stride": e.stride, "chunks": count, "precision": e.precision, "rows": rows,
               "alpha": None, "database_curve": None}
     if neighbours is not None:
         alpha = leakage(chunks, neighbours, e.neighbours, count)
@@ -108,11 +109,15 @@ def evaluate_models(models: list[tuple[str, object]], chunks, byte_lengths: np.n
     return report
 
 
-def scoring_precision(precision: str, device) -> contextlib.AbstractContextManager:
-    """Autocast to bf16 on the batches' device for precision "bf16"; nothing for "fp32"."""
+def scoring_precision(precision: str) -> Callable[[object], contextlib.AbstractContextManager]:
+    """device -> the context scoring runs in: autocast to bf16 on that device for "bf16", nothing
+    for "fp32". "auto" is resolved for the device first (launch/evaluate.py scoring_precision_on)."""
     if precision == "fp32":
-        return contextlib.nullcontext()
-    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
+        return lambda device: contextlib.nullcontext()
+    if precision == "bf16":
+        return lambda device: torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
+    raise ValueError(f"eval.precision {precision!r}: scoring runs in 'bf16' or 'fp32'; 'auto' is resolved "
+                     f"for the device first (launch/evaluate.py scoring_precision_on)")
 
 
 def same_neighbour_tokens(source, other, split: str, count: int, k: int, block: int = 4096) -> bool:
