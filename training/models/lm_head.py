@@ -66,7 +66,7 @@ class _FusedLMLoss(torch.autograd.Function):
         # h (N, d), weight (V, d), labels (N,) with IGNORE_INDEX for no target.
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ctx.h_dtype, ctx.w_dtype = h.dtype, weight.dtype
-        n_tokens, vocab = h.shape[0], weight.shape[0]
+        vocab = weight.shape[0]
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         grad_h = torch.empty_like(h) if want_h else None
         # Matmuls in h's precision (bf16 under mixed precision) or autocast's (the `out=` matmuls
@@ -79,27 +79,11 @@ class _FusedLMLoss(torch.autograd.Function):
         slice_tokens = slice_tokens or slice_tokens_for(h.device)
         hm, w = h.to(mm_dtype), head_matrix(weight, mm_dtype)                        # w (V + pad, d)
         grad_w = torch.zeros_like(w, dtype=acc_dtype) if want_w else None
-        # Two (S, V) buffers for all slices: the logits and their softmax. A fresh 51 MB tensor per
-        # slice costs its page faults every time; a row-wise softmax into a buffer reads each row
-        # once from cache, where logsumexp, sub_ and exp_ each streamed the whole slice. The
-        # softmax is stored in the matmuls' dtype (computed in fp32 inside the kernel): in bf16 it
-        # is the gradient's dtype anyway, and an fp32 copy of each slice cost more than the
-        # matmuls. The loss then carries bf16's rounding of each target's probability (a relative
-        # 2^-8 at most, ±0.004 nats per token, unbiased); its gradient is as before.
-        rows = min(slice_tokens, n_tokens)
-        logits_buf = torch.empty(rows, w.shape[0], dtype=mm_dtype, device=h.device)
-        probs_buf = torch.empty(rows, w.shape[0], dtype=mm_dtype, device=h.device)
-        for start in range(0, n_tokens, slice_tokens):
-            hs, ys = hm[start:start + slice_tokens], labels[start:start + slice_tokens]
-            s = len(ys)
-            logits = slice_logits(hs, w, vocab, logits_buf[:s])                   # (S, V + pad)
-            valid = ys != IGNORE_INDEX
-            target = torch.where(valid, ys, 0)
-            probs = torch.ops.aten._softmax.out(logits, -1, False, out=probs_buf[:s])      # (S, V + pad)
-            total += torch.where(valid, _target_nll(logits, probs, target), 0.0).sum()
+        for start, probs, target, valid, nll in scored_slices(hm, w, vocab, labels, slice_tokens):
+            total += nll.sum()
             if want_h or want_w:
-                _slice_grads(probs, target, valid, hs, w, grad_h[start:start + slice_tokens] if want_h else None,
-                             grad_w)
+                _slice_grads(probs, target, valid, hm[start:start + slice_tokens], w,
+                             grad_h[start:start + slice_tokens] if want_h else None, grad_w)
         ctx.save_for_backward(grad_h, grad_w[:vocab] if want_w else None)
         return total
 
@@ -109,6 +93,29 @@ class _FusedLMLoss(torch.autograd.Function):
         dh = (grad_h * grad_output.to(grad_h.dtype)) if grad_h is not None else None
         dw = (grad_w * grad_output).to(ctx.w_dtype) if grad_w is not None else None
         return dh, dw, None, None
+
+
+def scored_slices(hm: torch.Tensor, w: torch.Tensor, vocab: int, labels: torch.Tensor, slice_tokens: int):
+    """For each slice of `slice_tokens` rows of hm (N, d), in w's dtype, against w (V + pad, d):
+    (start, softmax (S, V + pad), target (S,), valid (S,), NLL (S,) fp32, 0 where no target).
+
+    Two (S, V) buffers serve all slices: the logits and their softmax. A fresh 51 MB tensor per
+    slice costs its page faults every time; a row-wise softmax into a buffer reads each row once
+    from cache, where logsumexp, sub_ and exp_ each streamed the whole slice. The softmax is kept
+    in the matmuls' dtype (computed in fp32 inside the kernel): in bf16 it is the gradient's dtype
+    anyway, and an fp32 copy of each slice cost more than the matmuls. The NLL then carries bf16's
+    rounding of each target's probability (a relative 2^-8 at most, ±0.004 nats per token,
+    unbiased). The softmax is the buffer: each slice's is gone once the next is yielded."""
+    rows = min(slice_tokens, hm.shape[0])
+    logits_buf = torch.empty(rows, w.shape[0], dtype=w.dtype, device=hm.device)
+    probs_buf = torch.empty_like(logits_buf)
+    for start in range(0, hm.shape[0], slice_tokens):
+        ys = labels[start:start + slice_tokens]
+        logits = slice_logits(hm[start:start + slice_tokens], w, vocab, logits_buf[:len(ys)])     # (S, V + pad)
+        probs = torch.ops.aten._softmax.out(logits, -1, False, out=probs_buf[:len(ys)])          # (S, V + pad)
+        valid = ys != IGNORE_INDEX                                    # no target: 0, as cross_entropy
+        target = torch.where(valid, ys, 0)
+        yield start, probs, target, valid, torch.where(valid, _target_nll(logits, probs, target), 0.0)
 
 
 def _target_nll(logits: torch.Tensor, probs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -172,8 +179,8 @@ def lm_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, slice_t
 def token_nll(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, slice_tokens: int | None = None) -> torch.Tensor:
     """Per-token NLL (b, n) of targets under the head, without gradients, slice by slice (evaluation).
 
-    As the training loss computes it: each slice's softmax in the matmuls' dtype, the NLL from the
-    target's probability, exact from the logits where that underflows (`_target_nll`). In bf16 the
+    As the training loss computes it (`scored_slices`): each slice's softmax in the matmuls' dtype,
+    the NLL from the target's probability, exact from the logits where that underflows. In bf16 the
     probability carries bf16's rounding (a relative 2^-8 at most, ±0.004 nats per token, unbiased),
     less than the bf16 logits' own; in fp32 the NLL is fp32's. A log-softmax into an fp32 buffer,
     its (S, V) pass with a logarithm per element, took three times as long under bf16 and 1.1
@@ -183,15 +190,8 @@ def token_nll(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, slic
         mm_dtype = autocast_dtype(h.device.type) or h.dtype      # as _FusedLMLoss
         h2, y = h.reshape(-1, h.shape[-1]).to(mm_dtype), targets.reshape(-1)
         out = torch.empty(y.shape, dtype=torch.float32, device=h.device)
-        slice_tokens = slice_tokens or slice_tokens_for(h.device)
         w = head_matrix(weight, mm_dtype)                           # (V + pad, d), as _FusedLMLoss
-        rows = min(slice_tokens, h2.shape[0])
-        logits_buf = torch.empty(rows, w.shape[0], dtype=mm_dtype, device=h.device)  # reused: see _FusedLMLoss
-        probs_buf = torch.empty(rows, w.shape[0], dtype=mm_dtype, device=h.device)
-        for start in range(0, h2.shape[0], slice_tokens):
-            ys = y[start:start + slice_tokens]
-            logits = slice_logits(h2[start:start + slice_tokens], w, weight.shape[0], logits_buf[:len(ys)])
-            probs = torch.ops.aten._softmax.out(logits, -1, False, out=probs_buf[:len(ys)])
-            valid = ys != IGNORE_INDEX                                    # no target: 0, as cross_entropy
-            out[start:start + slice_tokens] = torch.where(valid, _target_nll(logits, probs, torch.where(valid, ys, 0)), 0.0)
+        slice_tokens = slice_tokens or slice_tokens_for(h.device)
+        for start, _, _, _, nll in scored_slices(h2, w, weight.shape[0], y, slice_tokens):
+            out[start:start + len(nll)] = nll
         return out.view(targets.shape)
