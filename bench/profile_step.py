@@ -2,7 +2,7 @@
 
     python bench/profile_step.py [--shapes tiny,12x384,gpt2-124m] [--kinds gpt2,retro] [--precision fp32|bf16|auto]
     # an AVX2-only CPU's kernels on an AVX-512 machine (same ISA paths, not the same chip):
-    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python bench/profile_step.py --precision fp32
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 python bench/profile_step.py --precision fp32
 
 The model is the layer list the pipeline runs (training/models/layers.py), with the fused LM head as
 training uses it, one process on all cores; bf16 is a bf16 model, as DeepSpeed's bf16 mode trains
@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E
 from retropipe.training.models.build import build_model  # noqa: E402
 from retropipe.training.models.config import ModelConfig  # noqa: E402
 from retropipe.training.models.gpt2 import fused_loss_fn  # noqa: E402
-from retropipe.training.run.hardware import describe, resolve_precision  # noqa: E402
+from retropipe.training.run.hardware import HELD_KERNEL_VARIABLES, describe, resolve_precision  # noqa: E402
 
 # Shapes: "tiny" is the demo's model (configs/tiny.yaml), 12x384 the balanced pipeline benchmark's.
 SHAPES = {"tiny": dict(n_layer=4, n_head=4, n_embd=128, n_positions=256, encoder_layers=2, encoder_embd=64,
@@ -111,8 +111,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     precision = resolve_precision(args.precision)
     print(describe())
-    print(f"ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', '(default)')} "
-          f"ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', '(default)')}; "
+    print(" ".join(f"{k}={os.environ.get(k, '(default)')}" for k in HELD_KERNEL_VARIABLES) + "; "
           f"{torch.get_num_threads()} threads; torch CPU capability {torch.backends.cpu.get_cpu_capability()}")
     for shape in args.shapes.split(","):
         for kind in args.kinds.split(","):

@@ -15,6 +15,7 @@ from retropipe.training.run.trainer import rounding_tolerance
 def test_precision_auto_takes_bf16_only_where_the_kernels_may_use_it(monkeypatch):
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS", raising=False)
     monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f", "avx512_bf16"}))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert hw.resolve_precision("auto") == "bf16"
@@ -27,6 +28,10 @@ def test_precision_auto_takes_bf16_only_where_the_kernels_may_use_it(monkeypatch
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")  # ATen's elementwise kernels only: matmuls keep bf16
     assert hw.resolve_precision("auto") == "bf16"
     assert "ATEN_CPU_CAPABILITY=avx2" in hw.describe()
+    # MKL runs the fp32 matmuls; held to AVX2 it changes no precision, and the machine line says so.
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    assert hw.resolve_precision("auto") == "bf16" and "MKL_ENABLE_INSTRUCTIONS=AVX2" in hw.describe()
+    monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS")
     monkeypatch.delenv("ATEN_CPU_CAPABILITY")
     monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
     assert hw.resolve_precision("auto") == "fp32" and hw.resolve_precision("bf16") == "bf16"
