@@ -12,6 +12,11 @@ import os
 import platform
 
 CPU_FLAGS = {"avx2": "AVX2", "fma": "FMA", "avx512f": "AVX-512", "avx512_bf16": "AVX512-BF16", "amx_bf16": "AMX-BF16"}
+# The environment variables that hold torch's CPU kernels below what the CPU has: ATen's own
+# (elementwise, softmax, attention), oneDNN's (bf16 matmuls; DNNL_ is its older prefix) and MKL's
+# (fp32 matmuls). All at AVX2, an AVX-512 machine runs an AVX2-only CPU's code paths.
+ONEDNN_ISA_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+HELD_KERNEL_VARIABLES = ("ATEN_CPU_CAPABILITY", *ONEDNN_ISA_VARIABLES, "MKL_ENABLE_INSTRUCTIONS")
 
 
 @functools.lru_cache(maxsize=1)
@@ -32,7 +37,7 @@ def cpu_has_bf16() -> bool:
     oneDNN held below AVX512-BF16 (ONEDNN_MAX_CPU_ISA=AVX2: how one runs an AVX2-only CPU's code
     paths on this one) emulates bf16 matmuls, 15-35× slower than fp32 (docs/benchmarks.md).
     """
-    held = {os.environ.get(k, "").upper() for k in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")}
+    held = {os.environ.get(k, "").upper() for k in ONEDNN_ISA_VARIABLES}
     below_bf16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags()) and not (held & below_bf16)
 

@@ -38,3 +38,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def kernels_unheld(monkeypatch):
+    """For a test that fakes the CPU's flags: the variables that hold torch's kernels below the
+    CPU (set when the suite runs on AVX2 kernels) cleared, so the faked flags decide alone."""
+    from retropipe.data.cpu import HELD_KERNEL_VARIABLES
+
+    for name in HELD_KERNEL_VARIABLES:
+        monkeypatch.delenv(name, raising=False)

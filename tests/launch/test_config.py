@@ -201,7 +201,7 @@ def test_demo_refuses_an_older_demos_runs_before_any_stage(tmp_path, capsys):
     assert not (tmp_path / "corpora").exists()  # no stage ran
 
 
-def test_eval_precision_auto_follows_the_device(monkeypatch):
+def test_eval_precision_auto_follows_the_device(monkeypatch, kernels_unheld):
     """eval.precision auto: bf16 on a CPU with bf16 matmuls, fp32 on one without; a precision
     asked for is kept; evaluate_models takes only a resolved one."""
     from retropipe.data import cpu

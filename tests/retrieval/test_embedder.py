@@ -154,7 +154,8 @@ def test_the_bundled_and_a_local_model_never_touch_the_network():
     assert "tried: [] (1, 384)" in proc.stdout, proc.stdout
 
 
-def test_embed_precision_auto_follows_the_hardware_and_queries_follow_their_database(monkeypatch, tmp_path):
+def test_embed_precision_auto_follows_the_hardware_and_queries_follow_their_database(monkeypatch, tmp_path,
+                                                                                   kernels_unheld):
     """bf16 where the CPU has bf16 matmuls (AVX512-BF16, AMX), fp16 on a GPU, fp32 elsewhere; the
     choice is recorded in the embeddings' manifest and a Retriever embeds queries the same way."""
     import retropipe.data.cpu as cpu

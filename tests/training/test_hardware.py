@@ -12,10 +12,7 @@ from retropipe.training.models.layers import seeded
 from retropipe.training.run.trainer import rounding_tolerance
 
 
-def test_precision_auto_takes_bf16_only_where_the_kernels_may_use_it(monkeypatch):
-    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
-    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
-    monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS", raising=False)
+def test_precision_auto_takes_bf16_only_where_the_kernels_may_use_it(monkeypatch, kernels_unheld):
     monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f", "avx512_bf16"}))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert hw.resolve_precision("auto") == "bf16"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 
-from retropipe.data.cpu import CPU_FLAGS, cpu_flags, cpu_has_bf16, cpu_model
+from retropipe.data.cpu import CPU_FLAGS, HELD_KERNEL_VARIABLES, cpu_flags, cpu_has_bf16, cpu_model
 
 def gpu_has_bf16(capability: tuple[int, int]) -> bool:
     """bf16 matmuls in hardware: compute capability 8.0 (Ampere) and newer. Older GPUs emulate
@@ -59,10 +59,6 @@ def too_few_gpus(local: int, gpus: int) -> str | None:
             f"world size), or run on the CPU: CUDA_VISIBLE_DEVICES= deepspeed --num_gpus {local} ...")
 
 
-# The environment variables that hold torch's CPU kernels to an older instruction set.
-HELD_KERNEL_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
-
-
 def describe() -> str:
     """One line: CPU model, cores, vector features present and absent, GPUs, torch version."""
     import torch
@@ -71,9 +67,7 @@ def describe() -> str:
     have = [name for flag, name in CPU_FLAGS.items() if flag in flags]
     lack = [name for flag, name in CPU_FLAGS.items() if flag not in flags and flag != "fma"]
     gpu = (f"{torch.cuda.device_count()} × {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "no GPU")
-    # The kernels torch runs can be held below what the CPU has: ATEN_CPU_CAPABILITY holds ATen's
-    # own kernels, ONEDNN_MAX_CPU_ISA oneDNN's (bf16 matmuls), MKL_ENABLE_INSTRUCTIONS MKL's (fp32
-    # matmuls); all three at AVX2 run an AVX2-only CPU's code paths on an AVX-512 one. Say so.
+    # The kernels torch runs can be held below what the CPU has (HELD_KERNEL_VARIABLES): say so.
     kernels = torch.backends.cpu.get_cpu_capability()
     held = [f"{k}={os.environ[k]}" for k in HELD_KERNEL_VARIABLES if os.environ.get(k)]
     return (f"{cpu_model()}, {os.cpu_count()} cores, {'+'.join(have) or 'no AVX'}"
