@@ -24,10 +24,11 @@ ROOT = Path(__file__).resolve().parent.parent
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
+from retropipe.data.cpu import HELD_KERNEL_VARIABLES  # noqa: E402
 from retropipe.training.models.build import build_model  # noqa: E402
 from retropipe.training.models.config import ModelConfig  # noqa: E402
 from retropipe.training.models.gpt2 import fused_loss_fn  # noqa: E402
-from retropipe.training.run.hardware import HELD_KERNEL_VARIABLES, describe, resolve_precision  # noqa: E402
+from retropipe.training.run.hardware import describe, resolve_precision  # noqa: E402
 
 # Shapes: "tiny" is the demo's model (configs/tiny.yaml), 12x384 the balanced pipeline benchmark's.
 SHAPES = {"tiny": dict(n_layer=4, n_head=4, n_embd=128, n_positions=256, encoder_layers=2, encoder_embd=64,
