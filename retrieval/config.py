@@ -24,8 +24,8 @@ class RetrievalConfig:
     # Chunks per embedding job (at most: a job never spans two chunk-store shards), and Ray Data
     # actors embedding in parallel: on CPU each gets cores // embed_actors cores and threads; on
     # GPUs one GPU each. A job's texts are sorted by length into sub-batches, so a larger job pads
-    # less (2% at 1,024 against 16% at 64 on the demo's chunks; with the sort by tokens, 1.29-1.36x
-    # the steady chunks/s of two actors in fp32 on AVX2 kernels) at the cost of a longer last job.
+    # less (2% at 1,024 against 16% at 64 on the demo's chunks; the speed it buys is measured in
+    # docs/benchmarks.md) at the cost of a longer last job.
     # One actor per core is the most robust on a shared machine (docs/benchmarks.md).
     embed_batch_size: int = 1024
     embed_actors: int = 1
