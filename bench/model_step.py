@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from retropipe.training.models.build import build_model  # noqa: E402
 from retropipe.training.models.config import ModelConfig  # noqa: E402
 from retropipe.training.models.flops import flops_per_token, mfu  # noqa: E402
-from retropipe.training.models.gpt2 import fused_loss_fn  # noqa: E402
+from retropipe.training.models.gpt2 import FusedLoss  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -88,12 +88,16 @@ def model_matmul_flops(cfg, tokens: int, device: str, dtype: torch.dtype, reps: 
     return flops / best
 
 
+# As a training run keeps it: one fused loss, its head buffers kept from step to step.
+FUSED_LOSS = FusedLoss()
+
+
 def one_step(model, batch, device: str, autocast_dtype: torch.dtype | None) -> float:
     """Seconds of one forward + backward (no optimizer step)."""
     sync(device)
     t0 = time.perf_counter()
     with torch.autocast(device, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
-        loss = fused_loss_fn(model(*batch[:-1]), batch[-1])
+        loss = FUSED_LOSS(model(*batch[:-1]), batch[-1])
     loss.backward()
     sync(device)
     model.zero_grad(set_to_none=True)

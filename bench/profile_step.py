@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E
 from retropipe.data.cpu import HELD_KERNEL_VARIABLES  # noqa: E402
 from retropipe.training.models.build import build_model  # noqa: E402
 from retropipe.training.models.config import ModelConfig  # noqa: E402
-from retropipe.training.models.gpt2 import fused_loss_fn  # noqa: E402
+from retropipe.training.models.gpt2 import FusedLoss  # noqa: E402
 from retropipe.training.run.hardware import describe, resolve_precision  # noqa: E402
 
 # Shapes: "tiny" is the demo's model (configs/tiny.yaml), 12x384 the balanced pipeline benchmark's.
@@ -49,6 +49,8 @@ def batch_for(cfg: ModelConfig, batch: int, seq_len: int, k: int, g: torch.Gener
 # The fused head computes its gradients in its forward (training/models/lm_head.py), so "head + loss"
 # is the whole head, forward and backward; "backward" is the trunk's (and the encoder's).
 PHASES = ("trunk forward", "head + loss", "backward", "optimizer")
+# As a training run keeps it: one fused loss, its head buffers kept from step to step.
+FUSED_LOSS = FusedLoss()
 
 
 def step(model, opt, inputs, labels, autocast_dtype) -> None:
@@ -56,7 +58,7 @@ def step(model, opt, inputs, labels, autocast_dtype) -> None:
         with record_function("trunk forward"):
             outputs = model(*inputs)
         with record_function("head + loss"):
-            loss = fused_loss_fn(outputs, labels)
+            loss = FUSED_LOSS(outputs, labels)
     with record_function("backward"):
         loss.backward()
     with record_function("optimizer"):

@@ -73,12 +73,12 @@ def run_single(args, kind: str) -> float:
     import torch
 
     from retropipe.training.models.build import build_model
-    from retropipe.training.models.gpt2 import fused_loss_fn, loss_fn
+    from retropipe.training.models.gpt2 import FusedLoss, loss_fn
 
     torch.set_num_threads(os.cpu_count() or 1)
     model_cfg, train = configs(args, kind)
     model = build_model(model_cfg, layer_seed=train.seed, fused_head=train.fused_head).train()
-    loss_of = fused_loss_fn if train.fused_head else lambda logits, labels: loss_fn(logits.float(), labels)
+    loss_of = FusedLoss() if train.fused_head else lambda logits, labels: loss_fn(logits.float(), labels)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # as training/pipeline/deepspeed_config.py
     rng = torch.Generator().manual_seed(0)
     batches = [random_micro_batch(model_cfg, train, rng) for _ in range(train.micro_batches)]

@@ -108,7 +108,7 @@ def test_save_and_load_model_round_trip(tmp_path):
 def test_fused_head_gives_the_plain_loss_and_gradients():
     """training/models/lm_head.py: the head + cross-entropy over slices of tokens equals logits-then-loss."""
     from retropipe.training.models.build import build_model
-    from retropipe.training.models.gpt2 import fused_loss_fn
+    from retropipe.training.models.gpt2 import FusedLoss
     from retropipe.training.models.lm_head import lm_loss, token_nll
 
     torch.manual_seed(0)
@@ -119,7 +119,7 @@ def test_fused_head_gives_the_plain_loss_and_gradients():
     labels = torch.randint(0, 101, (3, 16))
     labels[0, :7] = -100  # padding is no target
     loss_p = loss_fn(plain(tokens), labels)
-    loss_f = fused_loss_fn(fused(tokens), labels)
+    loss_f = FusedLoss()(fused(tokens), labels)
     torch.testing.assert_close(loss_f, loss_p, rtol=1e-6, atol=1e-6)
     loss_p.backward()
     loss_f.backward()
@@ -164,6 +164,33 @@ def test_fused_head_gives_the_plain_loss_and_gradients():
         lp = loss_fn((hr.detach() @ wr.detach().t()).float(), y)
     torch.testing.assert_close(la, lp, rtol=0, atol=2 ** -9)
     assert (la - loss_fn(hr.detach() @ wr.detach().t(), y)).abs() > 1e-6  # not fp32 matmuls
+
+
+def test_kept_head_buffers_give_the_fresh_results_and_are_reused_on_the_cpu():
+    """lm_head.SliceBuffers: a caller's buffers serve every later call (no new pages per
+    micro-batch), grow for a longer slice, and change nothing: loss, gradients, per-token NLL."""
+    from retropipe.training.models.lm_head import SliceBuffers, lm_loss, token_nll
+
+    torch.manual_seed(0)
+    w = torch.randn(101, 16, requires_grad=True)
+    buffers = SliceBuffers()
+    for tokens in (7, 7, 12, 5):                       # 12 > 7: grown once, then reused for 5
+        h = torch.randn(tokens, 16, requires_grad=True)
+        y = torch.randint(0, 101, (tokens,))
+        kept = lm_loss(h, w, y, slice_tokens=8, buffers=buffers)
+        gh, gw = torch.autograd.grad(kept, (h, w))
+        fresh = lm_loss(h, w, y, slice_tokens=8)
+        fh, fw = torch.autograd.grad(fresh, (h, w))
+        assert kept.item() == fresh.item()
+        assert torch.equal(gh, fh) and torch.equal(gw, fw)
+        assert torch.equal(token_nll(h, w, y, slice_tokens=8, buffers=buffers), token_nll(h, w, y, slice_tokens=8))
+        if tokens == 7:
+            first = buffers.get(7, 101, torch.float32, torch.device("cpu"))[0].data_ptr()
+    logits, probs = buffers.get(5, 101, torch.float32, torch.device("cpu"))
+    assert logits.shape == probs.shape == (5, 101)
+    assert logits.data_ptr() != first                  # grown to 8 rows for the 12-token call ...
+    assert buffers.get(8, 101, torch.float32, torch.device("cpu"))[0].data_ptr() == logits.data_ptr()  # ... and kept
+    assert buffers.get(8, 101, torch.bfloat16, torch.device("cpu"))[0].dtype == torch.bfloat16
 
 
 def test_the_head_padded_with_zero_rows_gives_the_same_loss_and_gradients(monkeypatch):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from retropipe.training.models.lm_head import token_nll
+from retropipe.training.models.lm_head import SliceBuffers, token_nll
 
 
 @dataclass
@@ -72,6 +72,7 @@ def score_split(model, chunks, byte_lengths: np.ndarray, window: int, stride: in
     count = np.zeros(c, dtype=np.int64)
     retro = getattr(model, "cfg", None) is not None and model.cfg.retrieves
     batches = [starts[i:i + batch_size] for i in range(0, len(starts), batch_size)]
+    head_buffers = SliceBuffers()  # the head's slice buffers, kept from batch to batch
     for group in (progress(batches) if progress else batches):
         ids = np.stack([np.arange(s, s + L) for s in group])  # (b, L); windows never run past the end
         ids = np.minimum(ids, c - 1)
@@ -92,7 +93,8 @@ def score_split(model, chunks, byte_lengths: np.ndarray, window: int, stride: in
         # `stride` tokens, and the head is most of a small model's forward), slice by slice: the
         # logits of a whole batch are never held at once.
         kept = torch.from_numpy(keep).to(device)
-        target_nll = token_nll(h[:, :-1][kept], model.wte.weight, x[:, 1:][kept]).cpu().numpy()  # (kept,)
+        target_nll = token_nll(h[:, :-1][kept], model.wte.weight, x[:, 1:][kept],
+                               buffers=head_buffers).cpu().numpy()                 # (kept,)
         np.add.at(nll, target_chunk[keep], target_nll)
         np.add.at(count, target_chunk[keep], 1)
     return ChunkScores(nll, count, chunk_bytes(chunks, byte_lengths, c))

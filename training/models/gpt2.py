@@ -31,7 +31,7 @@ from einops import rearrange
 from retropipe.training.models.cache import DecodeCache, DecodeStep, LayerCache
 from retropipe.training.models.config import ModelConfig
 from retropipe.training.models.layers import LayerDesc, build_layers, run_layers
-from retropipe.training.models.lm_head import IGNORE_INDEX, lm_loss
+from retropipe.training.models.lm_head import IGNORE_INDEX, SliceBuffers, lm_loss
 
 
 def init_weights(module: nn.Module, n_layer: int) -> None:
@@ -125,7 +125,7 @@ def lm_logits(wte: TokenEmbedding, h: torch.Tensor) -> torch.Tensor:
 
 
 def head_inputs(wte: TokenEmbedding, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Last layer of the fused path: h (b, n, d) and the tied matrix, for `fused_loss_fn`, which
+    """Last layer of the fused path: h (b, n, d) and the tied matrix, for `FusedLoss`, which
     computes the logits and the loss slice by slice (training/models/lm_head.py)."""
     return h, wte.weight
 
@@ -266,7 +266,7 @@ class GPT2(nn.Module):
 
     layer_seed: layer i is built under seed layer_seed + i, as the pipeline stage holding it
     builds it (the single-process twin of a pipeline run); None = one stream, in list order.
-    fused_head: the last layer hands (h, W) to `fused_loss_fn` instead of the logits.
+    fused_head: the last layer hands (h, W) to `FusedLoss` instead of the logits.
     """
 
     def __init__(self, cfg: ModelConfig, layer_seed: int | None = None, fused_head: bool = False):
@@ -313,7 +313,7 @@ class GPT2(nn.Module):
         return run_layers(self._calls[:-1], self.inputs(tokens, neighbours))
 
     def forward(self, tokens: torch.Tensor, neighbours: torch.Tensor | None = None):
-        """logits (b, n, vocab); with fused_head, (h, W) for `fused_loss_fn`."""
+        """logits (b, n, vocab); with fused_head, (h, W) for `FusedLoss`."""
         return run_layers(self._calls[-1:], self.hidden(tokens, neighbours))
 
     # -- generation: the same modules, one step at a time --
@@ -339,11 +339,17 @@ class GPT2(nn.Module):
         return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
 
 
-def fused_loss_fn(outputs: tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+class FusedLoss:
     """loss_fn of the fused path: outputs = (h, tied matrix) from `head_inputs`; same value as
-    loss_fn(h @ Wᵀ, labels), without ever holding all the logits (training/models/lm_head.py)."""
-    h, weight = outputs
-    return lm_loss(h, weight, labels)
+    loss_fn(h @ Wᵀ, labels), without ever holding all the logits (training/models/lm_head.py).
+    One per training run: it keeps the head's slice buffers from one micro-batch to the next."""
+
+    def __init__(self):
+        self.buffers = SliceBuffers()
+
+    def __call__(self, outputs: tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+        h, weight = outputs
+        return lm_loss(h, weight, labels, buffers=self.buffers)
 
 
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

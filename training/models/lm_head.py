@@ -50,6 +50,29 @@ def head_matrix(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return F.pad(w, (0, 0, 0, pad)) if pad else w
 
 
+class SliceBuffers:
+    """The head's two (S, V + pad) buffers (logits, softmax), kept from one call to the next on a CPU.
+
+    torch's CPU allocator caches nothing: each 51 MB buffer of a fresh call (fp32, 256 × 50,257) is
+    new pages from the kernel, faulted in and zeroed as the logits' product first writes them. Kept
+    by their owner (a training run's `FusedLoss`, an evaluation's scoring loop), the buffers cost
+    that once: the head's forward and backward over 4 × 256 tokens took 7–15% less
+    (docs/benchmarks.md). On a GPU the caching allocator already reuses memory, and holding the
+    buffers would only take it from the trunk's activations: there every call gets fresh ones."""
+
+    def __init__(self):
+        self._pair: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def get(self, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two (rows, cols) buffers: views of the kept ones where they are large enough."""
+        pair = self._pair
+        if pair is None or pair[0].shape[0] < rows or pair[0].shape[1] != cols or pair[0].dtype != dtype \
+                or pair[0].device != device:
+            pair = tuple(torch.empty(rows, cols, dtype=dtype, device=device) for _ in range(2))
+            self._pair = pair if device.type == "cpu" else None
+        return pair[0][:rows], pair[1][:rows]
+
+
 def slice_logits(hs: torch.Tensor, w: torch.Tensor, vocab: int, out: torch.Tensor) -> torch.Tensor:
     """hs (S, d) @ wᵀ into out (S, V + pad); the padding's columns -inf: probability 0, no gradient."""
     logits = torch.mm(hs, w.t(), out=out)
@@ -62,7 +85,8 @@ class _FusedLMLoss(torch.autograd.Function):
     """Summed NLL of labels under softmax(h @ Wᵀ), slice by slice; gradients computed in forward."""
 
     @staticmethod
-    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, slice_tokens: int | None):
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, slice_tokens: int | None,
+                buffers: SliceBuffers | None):
         # h (N, d), weight (V, d), labels (N,) with IGNORE_INDEX for no target.
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ctx.h_dtype, ctx.w_dtype = h.dtype, weight.dtype
@@ -79,7 +103,7 @@ class _FusedLMLoss(torch.autograd.Function):
         slice_tokens = slice_tokens or slice_tokens_for(h.device)
         hm, w = h.to(mm_dtype), head_matrix(weight, mm_dtype)                        # w (V + pad, d)
         grad_w = torch.zeros_like(w, dtype=acc_dtype) if want_w else None
-        for start, probs, target, valid, nll in scored_slices(hm, w, vocab, labels, slice_tokens):
+        for start, probs, target, valid, nll in scored_slices(hm, w, vocab, labels, slice_tokens, buffers):
             total += nll.sum()
             if want_h or want_w:
                 _slice_grads(probs, target, valid, hm[start:start + slice_tokens], w,
@@ -92,23 +116,25 @@ class _FusedLMLoss(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         dh = (grad_h * grad_output.to(grad_h.dtype)) if grad_h is not None else None
         dw = (grad_w * grad_output).to(ctx.w_dtype) if grad_w is not None else None
-        return dh, dw, None, None
+        return dh, dw, None, None, None
 
 
-def scored_slices(hm: torch.Tensor, w: torch.Tensor, vocab: int, labels: torch.Tensor, slice_tokens: int):
+def scored_slices(hm: torch.Tensor, w: torch.Tensor, vocab: int, labels: torch.Tensor, slice_tokens: int,
+                  buffers: SliceBuffers | None = None):
     """For each slice of `slice_tokens` rows of hm (N, d), in w's dtype, against w (V + pad, d):
     (start, softmax (S, V + pad), target (S,), valid (S,), NLL (S,) fp32, 0 where no target).
 
-    Two (S, V) buffers serve all slices: the logits and their softmax. A fresh 51 MB tensor per
-    slice costs its page faults every time; a row-wise softmax into a buffer reads each row once
+    Two (S, V) buffers serve all slices: the logits and their softmax (`buffers`' where given, to
+    keep between calls; fresh ones otherwise). A fresh 51 MB tensor per slice costs its page
+    faults every time; a row-wise softmax into a buffer reads each row once
     from cache, where logsumexp, sub_ and exp_ each streamed the whole slice. The softmax is kept
     in the matmuls' dtype (computed in fp32 inside the kernel): in bf16 it is the gradient's dtype
     anyway, and an fp32 copy of each slice cost more than the matmuls. The NLL then carries bf16's
     rounding of each target's probability (a relative 2^-8 at most, ±0.004 nats per token,
     unbiased). The softmax is the buffer: each slice's is gone once the next is yielded."""
     rows = min(slice_tokens, hm.shape[0])
-    logits_buf = torch.empty(rows, w.shape[0], dtype=w.dtype, device=hm.device)
-    probs_buf = torch.empty_like(logits_buf)
+    buffers = buffers if buffers is not None else SliceBuffers()
+    logits_buf, probs_buf = buffers.get(rows, w.shape[0], w.dtype, hm.device)
     for start in range(0, hm.shape[0], slice_tokens):
         ys = labels[start:start + slice_tokens]
         logits = slice_logits(hm[start:start + slice_tokens], w, vocab, logits_buf[:len(ys)])     # (S, V + pad)
@@ -164,19 +190,22 @@ def autocast_dtype(device_type: str) -> torch.dtype | None:
         return torch.get_autocast_gpu_dtype() if torch.is_autocast_enabled() else None
 
 
-def lm_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, slice_tokens: int | None = None) -> torch.Tensor:
+def lm_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, slice_tokens: int | None = None,
+            buffers: SliceBuffers | None = None) -> torch.Tensor:
     """Mean cross-entropy of labels (b, n) under the tied head W (V, d) applied to h (b, n, d).
 
     Labels are already the next tokens; IGNORE_INDEX (-100) is no target. Computed in fp32
     whatever h's dtype; a batch with no target gives 0, not NaN (as training.models.gpt2.loss_fn).
-    slice_tokens: tokens per slice (None: the device's, `slice_tokens_for`).
+    slice_tokens: tokens per slice (None: the device's, `slice_tokens_for`); buffers: the caller's
+    SliceBuffers, to keep between calls (None: fresh ones).
     """
     h2, y = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
-    total = _FusedLMLoss.apply(h2, weight, y, slice_tokens)
+    total = _FusedLMLoss.apply(h2, weight, y, slice_tokens, buffers)
     return total / (y != IGNORE_INDEX).sum().clamp(min=1)
 
 
-def token_nll(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, slice_tokens: int | None = None) -> torch.Tensor:
+def token_nll(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, slice_tokens: int | None = None,
+              buffers: SliceBuffers | None = None) -> torch.Tensor:
     """Per-token NLL (b, n) of targets under the head, without gradients, slice by slice (evaluation).
 
     As the training loss computes it (`scored_slices`): each slice's softmax in the matmuls' dtype,
@@ -192,6 +221,6 @@ def token_nll(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, slic
         out = torch.empty(y.shape, dtype=torch.float32, device=h.device)
         w = head_matrix(weight, mm_dtype)                           # (V + pad, d), as _FusedLMLoss
         slice_tokens = slice_tokens or slice_tokens_for(h.device)
-        for start, _, _, _, nll in scored_slices(h2, w, weight.shape[0], y, slice_tokens):
+        for start, _, _, _, nll in scored_slices(h2, w, weight.shape[0], y, slice_tokens, buffers):
             out[start:start + len(nll)] = nll
         return out.view(targets.shape)

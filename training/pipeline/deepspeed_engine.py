@@ -41,7 +41,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec  # noqa: E40
 from retropipe.data.errors import TrainingError  # noqa: E402
 from retropipe.training.models.build import layer_list  # noqa: E402
 from retropipe.training.models.config import ModelConfig  # noqa: E402
-from retropipe.training.models.gpt2 import fused_loss_fn, loss_fn  # noqa: E402
+from retropipe.training.models.gpt2 import FusedLoss, loss_fn  # noqa: E402
 from retropipe.training.models.io import load_pretrained  # noqa: E402
 from retropipe.training.models.layers import LayerDesc, seeded  # noqa: E402
 from retropipe.training.models.retro import freeze_trunk, is_retrieval_parameter  # noqa: E402
@@ -158,7 +158,7 @@ def build_pipeline(model: ModelConfig, train: TrainConfig) -> tuple[RetroPipeMod
     descs = layer_list(model, fused_head=train.fused_head)
     parts = partition(descs, train.pipeline_stages, train.partition, frozen_trunk=model.freeze_trunk)
     module = RetroPipeModule(layer_specs(descs, train.seed, parts, model), parts=parts, num_stages=train.pipeline_stages,
-                             loss_fn=fused_loss_fn if train.fused_head else loss_fn,
+                             loss_fn=FusedLoss() if train.fused_head else loss_fn,
                              activation_checkpoint_interval=train.activation_checkpoint_interval,
                              checkpointable_layers=["Block", "RetroBlock"])
     return module, descs, parts
