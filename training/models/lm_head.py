@@ -102,20 +102,26 @@ class _FusedLMLoss(torch.autograd.Function):
         acc_dtype = weight.dtype if weight.dtype == mm_dtype else torch.float32
         slice_tokens = slice_tokens or slice_tokens_for(h.device)
         hm, w = h.to(mm_dtype), head_matrix(weight, mm_dtype)                        # w (V + pad, d)
-        grad_w = torch.zeros_like(w, dtype=acc_dtype) if want_w else None
+        # Not zeroed: the first slice's product overwrites it (a pass over (V, d) less per call).
+        grad_w = torch.empty_like(w, dtype=acc_dtype) if want_w else None
         for start, probs, target, valid, nll in scored_slices(hm, w, vocab, labels, slice_tokens, buffers):
             total += nll.sum()
             if want_h or want_w:
                 _slice_grads(probs, target, valid, hm[start:start + slice_tokens], w,
-                             grad_h[start:start + slice_tokens] if want_h else None, grad_w)
+                             grad_h[start:start + slice_tokens] if want_h else None, grad_w, start > 0)
         ctx.save_for_backward(grad_h, grad_w[:vocab] if want_w else None)
         return total
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
+        # Scaled in place where the dtype allows: no second (V, d) tensor per call. A second
+        # backward through the same graph then fails autograd's check of the saved tensors.
         grad_h, grad_w = ctx.saved_tensors
-        dh = (grad_h * grad_output.to(grad_h.dtype)) if grad_h is not None else None
-        dw = (grad_w * grad_output).to(ctx.w_dtype) if grad_w is not None else None
+        dh = grad_h.mul_(grad_output.to(grad_h.dtype)) if grad_h is not None else None          # h's dtype
+        if grad_w is not None:
+            dw = grad_w.mul_(grad_output) if grad_w.dtype == ctx.w_dtype else (grad_w * grad_output).to(ctx.w_dtype)
+        else:
+            dw = None
         return dh, dw, None, None, None
 
 
@@ -158,8 +164,9 @@ def _target_nll(logits: torch.Tensor, probs: torch.Tensor, target: torch.Tensor)
 
 
 def _slice_grads(probs: torch.Tensor, target: torch.Tensor, valid: torch.Tensor, hs: torch.Tensor, w: torch.Tensor,
-                 grad_h: torch.Tensor | None, grad_w: torch.Tensor | None) -> None:
-    """One slice's gradients of Σ nll: into grad_h (its rows, (S, d)) and added into grad_w (V, d).
+                 grad_h: torch.Tensor | None, grad_w: torch.Tensor | None, accumulate: bool) -> None:
+    """One slice's gradients of Σ nll: into grad_h (its rows, (S, d)) and into grad_w (V, d), added
+    to what it holds with `accumulate`, written over it without.
 
     d(Σ nll)/d logits = softmax − one-hot on rows with a target, computed in place of probs, in
     the matmuls' dtype. Where a gradient is kept in another dtype (fp32 h and W under autocast)
@@ -175,9 +182,11 @@ def _slice_grads(probs: torch.Tensor, target: torch.Tensor, valid: torch.Tensor,
             grad_h[:] = grad @ w
     if grad_w is not None:
         if grad_w.dtype == grad.dtype:
-            grad_w.addmm_(grad.t(), hs)
-        else:
+            grad_w.addmm_(grad.t(), hs, beta=1 if accumulate else 0)    # beta 0: grad_w's content unread
+        elif accumulate:
             grad_w += (grad.t() @ hs).float()
+        else:
+            grad_w.copy_(grad.t() @ hs)
 
 
 def autocast_dtype(device_type: str) -> torch.dtype | None:
