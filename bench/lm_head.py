@@ -1,9 +1,11 @@
-"""Benchmark the LM head + cross-entropy: the plain path (all logits at once) vs the fused, sliced one.
+"""Benchmark the LM head + cross-entropy: the plain path (all logits at once) vs the fused, sliced one,
+with its slice buffers fresh each call ("fused") or kept from call to call ("kept", as training runs it).
 
-    python bench/lm_head.py [--tokens 1024] [--d 128] [--repeat 3] [--slice 256]
+    python bench/lm_head.py [--tokens 1024] [--d 128] [--repeat 3] [--slice 256] [--precision fp32|bf16]
 
 One micro-batch of the demo's shape (4 × 256 tokens, width 128, GPT-2's 50,257-way tied head),
-forward + backward with respect to h and the tied matrix, fp32. Each variant runs in a fresh
+forward + backward with respect to h and the tied matrix, fp32 (or a bf16 h and matrix, as
+DeepSpeed's bf16 mode trains). Each variant runs in a fresh
 process (so peak RSS is its own) and variants alternate `--repeat` times so machine noise hits
 both; the best time and the peak-RSS growth over the process's baseline are printed, with
 their ratios. The fused path computes the same loss and gradients (tests/training/test_model.py).
@@ -28,18 +30,20 @@ def worker(args) -> None:
     import torch
 
     from retropipe.training.models.gpt2 import loss_fn
-    from retropipe.training.models.lm_head import lm_loss
+    from retropipe.training.models.lm_head import SliceBuffers, lm_loss
 
     torch.manual_seed(0)
-    h = torch.randn(1, args.tokens, args.d, requires_grad=True)
-    w = (torch.randn(VOCAB, args.d) * 0.02).requires_grad_()
+    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+    h = torch.randn(1, args.tokens, args.d, dtype=dtype, requires_grad=True)
+    w = (torch.randn(VOCAB, args.d) * 0.02).to(dtype).requires_grad_()
+    buffers = SliceBuffers() if args.worker == "kept" else None
     labels = torch.randint(0, VOCAB, (1, args.tokens))
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     best = float("inf")
     for _ in range(args.steps):
         t0 = time.perf_counter()
-        if args.worker == "fused":
-            loss = lm_loss(h, w, labels, slice_tokens=args.slice)
+        if args.worker in ("fused", "kept"):
+            loss = lm_loss(h, w, labels, slice_tokens=args.slice, buffers=buffers)
         else:
             loss = loss_fn(h @ w.t(), labels)
         loss.backward()
@@ -62,6 +66,7 @@ def main() -> None:
     parser.add_argument("--slice", type=int, default=256, help="tokens per slice of the fused path")
     parser.add_argument("--steps", type=int, default=4, help="timed forward+backward passes per process")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -69,9 +74,9 @@ def main() -> None:
     from retropipe.training.run.hardware import describe
 
     print(describe())
-    print(f"{args.tokens} tokens × width {args.d} → {VOCAB:,} logits; fp32; {os.cpu_count()} threads; "
+    print(f"{args.tokens} tokens × width {args.d} → {VOCAB:,} logits; {args.precision}; {os.cpu_count()} threads; "
           f"fused slices of {args.slice} tokens")
-    results = {"plain": [], "fused": []}
+    results = {"plain": [], "fused": [], "kept": []}
     for _ in range(args.repeat):
         for variant in results:
             results[variant].append(run(variant))
@@ -80,6 +85,7 @@ def main() -> None:
         print(f"{v:<6} {s * 1000:8.1f} ms   peak RSS growth {mb:7.1f} MB")
     (ps, pm), (fs, fm) = best["plain"], best["fused"]
     print(f"fused / plain: time {fs / ps:.2f}×, peak memory growth {fm / max(pm, 1e-9):.2f}×")
+    print(f"kept / fused (the slice buffers kept between calls): time {best['kept'][0] / fs:.2f}×")
 
 
 if __name__ == "__main__":

@@ -53,12 +53,13 @@ def head_matrix(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class SliceBuffers:
     """The head's two (S, V + pad) buffers (logits, softmax), kept from one call to the next on a CPU.
 
-    torch's CPU allocator caches nothing: each 51 MB buffer of a fresh call (fp32, 256 × 50,257) is
-    new pages from the kernel, faulted in and zeroed as the logits' product first writes them. Kept
-    by their owner (a training run's `FusedLoss`, an evaluation's scoring loop), the buffers cost
-    that once: the head's forward and backward over 4 × 256 tokens took 7–15% less
-    (docs/benchmarks.md). On a GPU the caching allocator already reuses memory, and holding the
-    buffers would only take it from the trunk's activations: there every call gets fresh ones."""
+    torch's CPU allocator caches nothing, and glibc maps allocations over 32 MB afresh each time:
+    each 51 MB buffer of a fresh call (fp32, 256 × 50,257) is new pages from the kernel, faulted in
+    and zeroed as the logits' product first writes them. Kept by their owner (a training run's
+    `FusedLoss`, an evaluation's scoring loop), they cost that once: the demo's GPT-2 pipeline on
+    AVX2 kernels ran 12–18% faster (docs/benchmarks.md). bf16 buffers (26 MB) were already reused
+    from glibc's heap. On a GPU the caching allocator reuses memory, and holding the buffers would
+    only take it from the trunk's activations: there every call gets fresh ones."""
 
     def __init__(self):
         self._pair: tuple[torch.Tensor, torch.Tensor] | None = None
