@@ -191,6 +191,12 @@ def test_kept_head_buffers_give_the_fresh_results_and_are_reused_on_the_cpu():
     assert logits.data_ptr() != first                  # grown to 8 rows for the 12-token call ...
     assert buffers.get(8, 101, torch.float32, torch.device("cpu"))[0].data_ptr() == logits.data_ptr()  # ... and kept
     assert buffers.get(8, 101, torch.bfloat16, torch.device("cpu"))[0].dtype == torch.bfloat16
+    # No token at all: no slice writes W's gradient, which must then be zeros (not an unset buffer;
+    # freed NaNs of its size first, for the allocator to hand back).
+    none = torch.randn(0, 16, requires_grad=True)
+    torch.full_like(w, float("nan"))                    # freed at once
+    assert torch.equal(torch.autograd.grad(lm_loss(none, w, torch.zeros(0, dtype=torch.long), buffers=buffers), w)[0],
+                       torch.zeros_like(w))
 
 
 def test_the_head_padded_with_zero_rows_gives_the_same_loss_and_gradients(monkeypatch):

@@ -103,8 +103,9 @@ class _FusedLMLoss(torch.autograd.Function):
         acc_dtype = weight.dtype if weight.dtype == mm_dtype else torch.float32
         slice_tokens = slice_tokens or slice_tokens_for(h.device)
         hm, w = h.to(mm_dtype), head_matrix(weight, mm_dtype)                        # w (V + pad, d)
-        # Not zeroed: the first slice's product overwrites it (a pass over (V, d) less per call).
-        grad_w = torch.empty_like(w, dtype=acc_dtype) if want_w else None
+        # Not zeroed where a first slice's product overwrites it (a pass over (V, d) less per call).
+        new_grad = torch.empty_like if len(labels) else torch.zeros_like
+        grad_w = new_grad(w, dtype=acc_dtype) if want_w else None
         for start, probs, target, valid, nll in scored_slices(hm, w, vocab, labels, slice_tokens, buffers):
             total += nll.sum()
             if want_h or want_w:
