@@ -135,8 +135,10 @@ def summary(result: dict) -> str:
              f"({sum(emb['shard_chunks']['train'])} train + {sum(emb['shard_chunks']['validation'])} validation chunks)"]
     embedded = [p for p in result.get("parts", [emb]) if not p.get("skipped") and p.get("run")]
     if embedded:  # one pass over every part not yet embedded: its rate, whichever parts it took
+        copied = sum(p["run"].get("chunks_copied", 0) for p in embedded)
         lines[-1] += (f"; this build embedded {sum(p['run']['chunks_embedded'] for p in embedded):,} chunks "
-                      f"at {embedded[0]['run']['chunks_per_second']:.1f} chunks/s")
+                      f"and copied {copied:,} exact copies' vectors, {embedded[0]['run']['chunks_per_second']:.1f} "
+                      f"chunks/s")
     lines.append(f"database    {len(db['parts'])} part(s), {db['chunks']:,} chunks, {db['tokens']:,} tokens: "
                  + ", ".join(f"{p['name']} ({p['chunks']:,} chunks)" for p in db["parts"]))
     lines.append(f"index       {done(idx)}: {idx['factory']!r} ({idx['merge']} merge), {idx['ntotal']} vectors")

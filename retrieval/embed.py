@@ -8,7 +8,9 @@ driver (`embed_stores`, for every part of a database at once; `embed_store` for 
 cuts every split into jobs of `retrieval.embed_batch_size` chunks and hands them, in one call, to
 a runner: `serial_embed_runner` (in-process, tests) or `retrieval.ray_embed.RayEmbedRunner`
 (Ray Data actors). A job is always the same chunks, whoever runs it, so the bytes written do not
-depend on the runner, the number of actors or a resume.
+depend on the runner, the number of actors or a resume. A chunk whose tokens copy an earlier
+chunk's (retrieval.copies: the database's parts in order, then splits, then ids) is skipped by its
+job and takes its source's vector: each text is embedded once.
 
 Layout of `<retrieval_dir>/embeddings/`:
     <split>/shard-NNNNN.npy   (chunks in chunk-store shard NNNNN, d) float16, unit length
@@ -18,7 +20,7 @@ Layout of `<retrieval_dir>/embeddings/`:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -28,6 +30,7 @@ from retropipe.data.chunking import SPLITS
 from retropipe.data.errors import BUILD_DATABASE, RetrievalError
 from retropipe.data.stage import fingerprint, load_npy, open_stage, save_npy, sha256_file, write_json
 from retropipe.data.store import ChunkStore
+from retropipe.retrieval.copies import ChunkCopies, ShardAssembly, find_copies
 # The model behind retrieval.embedder (re-exported: retrieval.embed is where callers find them).
 from retropipe.retrieval.embedder import (DEFAULT_MODEL_NAME, cached_embedder, embedding_dim, hub_name,  # noqa: F401
                                           load_embedder, model_identity, resolve_embed_precision, resolve_model_path)
@@ -95,6 +98,9 @@ class EmbedJob:
     start: int
     stop: int
     part: int = 0
+    # Chunk ids in [start, stop) that copy an earlier chunk of the database (retrieval.copies): not
+    # embedded, their rows left zero; the driver writes their sources' vectors there.
+    skip: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -119,11 +125,16 @@ def runner_precision(runner, precision: str) -> str:
 
 
 def embed_job(model, store: ChunkStore, encoding, job: EmbedJob, sub_batch: int = SUB_BATCH) -> np.ndarray:
-    """(stop - start, d) float16 embeddings of one job's chunks (`store`: the job's part)."""
+    """(stop - start, d) float16 embeddings of one job's chunks (`store`: the job's part); the
+    rows of the chunks it skips (copies of earlier ones) are zeros."""
     split = store.split(job.split)
     ids = np.arange(job.start, job.stop)
-    texts = chunk_texts(split.tokens(ids), split.lengths[ids], encoding, store.eot_id)
-    return embed(model, texts, sub_batch).astype(np.float16)
+    ids = ids[~np.isin(ids, np.asarray(job.skip, dtype=np.int64))]
+    out = np.zeros((job.stop - job.start, embedding_dim(model)), np.float16)
+    if len(ids):
+        texts = chunk_texts(split.tokens(ids), split.lengths[ids], encoding, store.eot_id)
+        out[ids - job.start] = embed(model, texts, sub_batch)
+    return out
 
 
 # runner(spec, jobs) -> iterator of (job, (n, d) float16 embeddings), in any order
@@ -183,30 +194,32 @@ def embed_stores(parts: list[tuple[ChunkStore, Path]], embedder: str, batch_size
         jobs += missing
         if progress:  # what is on disk already: a complete part, or a resumed part's finished shards
             progress(sum(len(store.split(s)) for s in SPLITS) - sum(j.stop - j.start for j in missing))
-    shards: dict[tuple[int, str, int], list] = {key: [] for key in pending}
+    # Each text is embedded once: a chunk that copies an earlier one takes its vector (retrieval.copies).
+    copies = find_copies([store for store, _ in parts]) if jobs else ChunkCopies()
+    jobs = [replace(j, skip=tuple(copies.in_range(j.part, j.split, j.start, j.stop).tolist())) for j in jobs]
+    # A shard is written as soon as it is complete, so a kill loses little.
+    shards = ShardAssembly([store for store, _ in parts], lambda p, split, i: parts[p][1] / split
+                           / shard_file(names[p][split][i]), pending, copies, jobs)
     spec = EmbedSpec(tuple(str(Path(store.root).resolve()) for store, _ in parts), str(Path(model_path).resolve()),
                      parts[0][0].manifest["tokenizer"], hub_name=hub_name(embedder), precision=precision)
-    embedded, dim, begin = [0] * len(parts), None, time.perf_counter()
+    embedded, copied, begin = [0] * len(parts), [0] * len(parts), time.perf_counter()
     for job, vectors in runner(spec, jobs):
-        key = (job.part, job.split, job.shard)
-        dim = vectors.shape[1]
-        shards[key].append((job.start, vectors))
-        embedded[job.part] += len(vectors)
+        embedded[job.part] += len(vectors) - len(job.skip)
+        copied[job.part] += len(job.skip)
         if progress:
             progress(len(vectors))
-        if len(shards[key]) == pending[key]:  # shard complete: write it now, so a kill loses little
-            rows = np.concatenate([v for _, v in sorted(shards.pop(key), key=lambda x: x[0])])
-            save_npy(parts[job.part][1] / job.split / shard_file(names[job.part][job.split][job.shard]), rows)
-    if shards:
-        raise RetrievalError(f"embedding runner returned no result for shards {sorted(shards)}")
-    # The pass's time is shared by its parts: each records the pass's rate, over every part's chunks.
+        shards.add(job, vectors)
+    if shards.unwritten:
+        raise RetrievalError(f"embedding runner returned no result for shards {shards.unwritten}")
+    # The pass's time is shared by its parts: each records the pass's rate, over every chunk it wrote.
     seconds = time.perf_counter() - begin
-    run = {"seconds": round(seconds, 2), "chunks_per_second": round(sum(embedded) / max(seconds, 1e-9), 1)}
+    run = {"seconds": round(seconds, 2),
+           "chunks_per_second": round((sum(embedded) + sum(copied)) / max(seconds, 1e-9), 1)}
     for p, (store, out_dir) in enumerate(parts):
         if manifests[p] is None:
-            _write_empty_shards(out_dir, names[p], dim)
+            _write_empty_shards(out_dir, names[p], shards.dim)
             manifests[p] = {**_finalize(store, out_dir, inputs_of(store), names[p], model_path, identity, precision),
-                            "run": {**run, "chunks_embedded": embedded[p]}}
+                            "run": {**run, "chunks_embedded": embedded[p], "chunks_copied": copied[p]}}
     return manifests
 
 

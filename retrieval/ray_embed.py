@@ -1,6 +1,6 @@
 """The thin Ray Data adapter of the embedding stage: a class UDF around `retrieval.embed.embed_job`.
 
-Jobs (part, split, shard, start, stop) go in as rows, every part of the database in one pass;
+Jobs (part, split, shard, start, stop, the copies to skip) go in as rows, every part of the database in one pass;
 `EmbedChunks` actors load the model once each (a GPU per actor when the cluster has GPUs and
 retrieval.embed_device allows it) and return one row per chunk. When a worker dies, the jobs not
 yet delivered run again; a job's output only reaches the driver once it completed, and the driver
@@ -50,9 +50,11 @@ class EmbedChunks:
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         parts, splits, chunks, vectors = [], [], [], []
-        for part, split, shard, start, stop in zip(batch["part"], batch["split"], batch["shard"], batch["start"],
-                                                   batch["stop"]):
-            job = EmbedJob(SPLITS[int(split)], int(shard), int(start), int(stop), int(part))
+        for part, split, shard, start, stop, skip in zip(batch["part"], batch["split"], batch["shard"], batch["start"],
+                                                         batch["stop"], batch["skip"]):
+            # skip: a variable-length column, one int64 array (or an object holding it) per row.
+            job = EmbedJob(SPLITS[int(split)], int(shard), int(start), int(stop), int(part),
+                           tuple(np.asarray(skip, dtype=np.int64).ravel().tolist()))
             vectors.append(self.embed_one(job))                      # (n, d) float16
             chunks.append(np.arange(job.start, job.stop, dtype=np.int64))
             splits.append(np.full(job.stop - job.start, split, dtype=np.int8))
@@ -161,8 +163,8 @@ class RayEmbedRunner:
         ctx.max_consecutive_actor_init_deaths = max(ctx.max_consecutive_actor_init_deaths, 2)
         device, resources, threads = self.resources(ray)
         by_key = {(j.part, SPLITS.index(j.split), j.start): j for j in jobs}
-        rows = [{"part": j.part, "split": SPLITS.index(j.split), "shard": j.shard, "start": j.start, "stop": j.stop}
-                for j in jobs]
+        rows = [{"part": j.part, "split": SPLITS.index(j.split), "shard": j.shard, "start": j.start, "stop": j.stop,
+                 "skip": np.asarray(j.skip, dtype=np.int64)} for j in jobs]
         ds = ray.data.from_items(rows, override_num_blocks=max(1, min(len(rows), 4 * self.actors * 8)))
         # A dead actor fails this execution; __call__ retries what was not delivered
         # (tests/retrieval/test_retrieval_ray.py kills an actor to check).

@@ -16,7 +16,9 @@ import pytest
 from retropipe.data.errors import RetrievalError
 from retropipe.data.stage import fingerprint, read_json, save_npy, write_json
 from retropipe.data.store import ChunkStore
+from retropipe.data.chunking import SPLITS
 from retropipe.retrieval.build import build_retrieval
+from retropipe.retrieval.copies import find_copies
 from retropipe.retrieval.database import DatabaseVectors
 from retropipe.retrieval.embed import Embeddings, serial_embed_runner
 from retropipe.retrieval.index import build_index, exact_search, load_index, make_index, sample_rows
@@ -294,7 +296,8 @@ def test_further_corpora_join_the_database_and_copies_of_evaluated_documents_sta
 def test_every_part_of_the_database_is_embedded_in_one_pass(tmp_path, built):
     """One call of the runner (one pool of Ray actors, each loading the model once) embeds the
     training data and every further corpus; killed midway, the rerun embeds only what is missing;
-    each part's bytes are what a pass of its own gives."""
+    the training part's bytes are what a pass of its own gives, and the corpus's copies of its chunks
+    take their vectors, read back from the killed pass's shards."""
     from retropipe.data.config import DataConfig
 
     ref_root, _, ref = built
@@ -324,6 +327,15 @@ def test_every_part_of_the_database_is_embedded_in_one_pass(tmp_path, built):
     assert calls == [[1]]  # the rerun embeds only what the killed pass had not written: part 1's rest
     assert result["embeddings"]["sha256"] == ref["embeddings"]["sha256"]  # the training part, as alone
     assert len(result["parts"]) == 2 and sum(result["parts"][1]["shard_chunks"]["train"]) > 0
+    corpus = result["database"]["parts"][1]
+    found = find_copies([ChunkStore(tmp_path / "data"), ChunkStore(corpus["data_absolute"])])
+    copies = found.ids[(1, "train")]
+    sources = found.sources_of(1, "train", copies)
+    assert (sources[:, 0] == 0).any()    # the corpus repeats some training chunks word for word
+    vectors = [Embeddings(d, m) for d, m in ((tmp_path / "retrieval" / "embeddings", result["parts"][0]),
+                                             (corpus["embeddings_absolute"], result["parts"][1]))]
+    for chunk, (part, split, source) in zip(copies.tolist(), sources.tolist()):
+        np.testing.assert_array_equal(vectors[1].rows("train", [chunk]), vectors[part].rows(SPLITS[split], [source]))
     again = build_retrieval(retrieval_cfg(corpora=[str(extra)]), ChunkStore(tmp_path / "data"), tmp_path / "retrieval",
                             SEQ_CHUNKS, data_cfg=DataConfig(chunk_len=CHUNK_LEN), embed_runner=counting)
     assert calls[1:] == [[]] and all(p.get("skipped") for p in again["parts"])  # complete: nothing embedded again
