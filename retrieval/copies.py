@@ -2,7 +2,7 @@
 
     copies = find_copies([store_a, store_b])        # every part of a database, in its order
     copies.in_range(1, "train", 0, 1024)            # ids of part 1's chunks 0 … 1023 that copy an earlier one
-    copies.sources_of(1, "train", ids)              # (part, split, id) of the chunk each copies
+    copies.sources_of(1, "train", ids)              # (part, split index, id) of the chunk each copies
 
 A chunk copies another when their tokens are the same (the same length, the same ids; what lies
 past the length is padding and not compared): they decode to the same text, so the embedder
@@ -70,11 +70,6 @@ class ChunkCopies:
         if not len(ids):
             return np.zeros((0, 3), np.int64)
         return self.sources[(part, split)][np.searchsorted(self.ids[(part, split)], ids)]
-
-    def source_ids(self, part: int, split: str) -> np.ndarray:
-        """Sorted ids of (part, split)'s chunks that some copy copies."""
-        found = [s[:, 2][(s[:, 0] == part) & (s[:, 1] == SPLITS.index(split))] for s in self.sources.values()]
-        return np.unique(np.concatenate(found)) if found else np.zeros(0, np.int64)
 
 
 def find_copies(stores: list[ChunkStore]) -> ChunkCopies:

@@ -176,7 +176,8 @@ def embed_stores(parts: list[tuple[ChunkStore, Path]], embedder: str, batch_size
     """`embed_store` for every (chunk store, out_dir) of a database in one pass of the runner: one
     pool of embedding actors, each loading the model once, for all parts (a pass per part paid the
     actors' start-up per part). Each part stays its own stage: skipped when complete, resumed from
-    its finished shards, its manifest written when its last shard is in."""
+    its finished shards, its manifest written when its last shard is in. A chunk that copies an
+    earlier one (in its part or an earlier part) is not embedded but takes that chunk's vector."""
     model_path = resolve_model_path(embedder)
     identity = model_identity(model_path, embedder)
 
@@ -194,10 +195,10 @@ def embed_stores(parts: list[tuple[ChunkStore, Path]], embedder: str, batch_size
         jobs += missing
         if progress:  # what is on disk already: a complete part, or a resumed part's finished shards
             progress(sum(len(store.split(s)) for s in SPLITS) - sum(j.stop - j.start for j in missing))
-    # Each text is embedded once: a chunk that copies an earlier one takes its vector (retrieval.copies).
+    # Each text is embedded once: a chunk that copies an earlier one takes its vector (retrieval.copies);
+    # a shard is written as soon as it is complete, so a kill loses little.
     copies = find_copies([store for store, _ in parts]) if jobs else ChunkCopies()
     jobs = [replace(j, skip=tuple(copies.in_range(j.part, j.split, j.start, j.stop).tolist())) for j in jobs]
-    # A shard is written as soon as it is complete, so a kill loses little.
     shards = ShardAssembly([store for store, _ in parts], lambda p, split, i: parts[p][1] / split
                            / shard_file(names[p][split][i]), pending, copies, jobs)
     spec = EmbedSpec(tuple(str(Path(store.root).resolve()) for store, _ in parts), str(Path(model_path).resolve()),
@@ -213,8 +214,7 @@ def embed_stores(parts: list[tuple[ChunkStore, Path]], embedder: str, batch_size
         raise RetrievalError(f"embedding runner returned no result for shards {shards.unwritten}")
     # The pass's time is shared by its parts: each records the pass's rate, over every chunk it wrote.
     seconds = time.perf_counter() - begin
-    run = {"seconds": round(seconds, 2),
-           "chunks_per_second": round((sum(embedded) + sum(copied)) / max(seconds, 1e-9), 1)}
+    run = {"seconds": round(seconds, 2), "chunks_per_second": round((sum(embedded) + sum(copied)) / max(seconds, 1e-9), 1)}
     for p, (store, out_dir) in enumerate(parts):
         if manifests[p] is None:
             _write_empty_shards(out_dir, names[p], shards.dim)
