@@ -17,6 +17,7 @@ compared token for token: a hash collision can only leave a copy unfound, never 
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -95,7 +96,10 @@ def find_copies(stores: list[ChunkStore]) -> ChunkCopies:
         return out
 
     copies, sources = locate(copy), locate(source[copy])
-    confirmed = (rows(copies) == rows(sources)).all(1)   # a hash collision is no copy
+    # A hash collision is no copy; compared a block at a time, so memory stays bounded.
+    confirmed = np.concatenate([np.ones(0, bool)] + [
+        (rows(copies[i:i + HASH_BLOCK]) == rows(sources[i:i + HASH_BLOCK])).all(1)
+        for i in range(0, len(copies), HASH_BLOCK)])
     copies, sources = copies[confirmed], sources[confirmed]
     result = ChunkCopies()
     for g in np.unique(copies[:, 0]):
@@ -122,10 +126,12 @@ class ShardAssembly:
         self.pieces: dict[tuple[int, str, int], list] = {key: [] for key in pending}
         self.complete: list[tuple[int, str, int]] = []    # every job in, a source still to come
         self.dim: int | None = None
+        # Copies still to write per source: a source's vector is kept from its job until its last copy is written.
+        self.uses: Counter = Counter(tuple(source) for job in jobs for source in
+                                     copies.sources_of(job.part, job.split, np.asarray(job.skip, np.int64)).tolist())
         need: dict[tuple[int, str], set] = {}
-        for job in jobs:
-            for part, split, chunk in copies.sources_of(job.part, job.split, np.asarray(job.skip, np.int64)).tolist():
-                need.setdefault((part, SPLITS[split]), set()).add(chunk)
+        for part, split, chunk in self.uses:
+            need.setdefault((part, SPLITS[split]), set()).add(chunk)
         self.need = {key: np.array(sorted(ids), np.int64) for key, ids in need.items()}
         self.known: dict[tuple[int, int, int], np.ndarray] = {}  # sources embedded in this pass
         self._maps: dict = {}
@@ -151,7 +157,8 @@ class ShardAssembly:
         part, split, _ = key
         pieces = sorted(self.pieces[key], key=lambda piece: piece[0])
         skip = np.array([chunk for _, _, skipped in pieces for chunk in skipped], np.int64)
-        vectors = [self._source(*source) for source in self.copies.sources_of(part, split, skip).tolist()]
+        sources = [tuple(source) for source in self.copies.sources_of(part, split, skip).tolist()]
+        vectors = [self._source(*source) for source in sources]
         if any(v is None for v in vectors):
             return False
         rows = np.concatenate([v for _, v, _ in pieces])
@@ -159,6 +166,10 @@ class ShardAssembly:
             rows[skip - pieces[0][0]] = np.stack(vectors)
         save_npy(self.path_of(*key), rows)
         del self.pieces[key]
+        for source in sources:
+            self.uses[source] -= 1
+            if not self.uses[source]:
+                self.known.pop(source, None)
         return True
 
     def _source(self, part: int, split_index: int, chunk: int) -> np.ndarray | None:

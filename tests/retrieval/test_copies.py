@@ -1,6 +1,7 @@
 """Exact copies among a database's chunks: found, embedded once, their vectors copied, whatever the order
 jobs come back in and across a resume. The real bundled BERT embeds (tests/corpora.py's 8-token stores)."""
 
+import dataclasses
 import shutil
 
 import numpy as np
@@ -9,8 +10,8 @@ import pytest
 from retropipe.data.chunking import SPLITS
 from retropipe.data.store import ChunkStore
 from retropipe.retrieval import copies as copies_module
-from retropipe.retrieval.copies import find_copies
-from retropipe.retrieval.embed import Embeddings, embed, embed_store, serial_embed_runner
+from retropipe.retrieval.copies import ShardAssembly, find_copies
+from retropipe.retrieval.embed import Embeddings, embed, embed_store, plan_jobs, serial_embed_runner
 from tests.corpora import make_store, topic_docs
 
 
@@ -116,3 +117,30 @@ def test_shards_wait_for_their_sources_and_resume_to_the_same_bytes(tmp_path, or
         assert 0 < manifest["run"]["chunks_embedded"] + manifest["run"]["chunks_copied"] < ref["run"]["chunks_embedded"] \
             + ref["run"]["chunks_copied"]    # the rerun wrote only what was missing
     assert manifest["sha256"] == ref["sha256"]
+
+
+def test_a_source_vector_is_held_only_until_its_last_copy_is_written(tmp_path):
+    """ShardAssembly on its own, with stand-in vectors: every shard written with its copies filled in,
+    and no source's vector left in memory at the end of the pass."""
+    store = make_store(tmp_path, topic_docs())
+    found = find_copies([store])
+    jobs, pending = [], {}
+    for split in SPLITS:
+        for shard in range(len(store.manifest["shards"][split])):
+            shard_jobs = [dataclasses.replace(j, skip=tuple(found.in_range(0, split, j.start, j.stop).tolist()))
+                          for j in plan_jobs(store, split, shard, 4)]
+            jobs += shard_jobs
+            if shard_jobs:   # a shard without chunks is written empty, apart (embed_stores)
+                pending[(0, split, shard)] = len(shard_jobs)
+    shards = ShardAssembly([store], lambda p, split, i: tmp_path / f"{split}-{i}.npy", pending, found, jobs)
+    for job in jobs:   # each chunk's stand-in vector: its id, in every column; copies' rows left zero
+        vectors = np.repeat(np.arange(job.start, job.stop, dtype=np.float16)[:, None], 3, 1)
+        vectors[np.asarray(job.skip, np.int64) - job.start] = 0
+        shards.add(job, vectors)
+        assert len(shards.known) <= sum(shards.uses.values())
+    assert not shards.unwritten and not shards.known
+    offsets = {s: np.cumsum([0] + store.manifest["shard_chunks"][s]) for s in SPLITS}
+    for (p, split, i), (_, src_split, src) in copies_as_dict(found).items():
+        shard = np.searchsorted(offsets[SPLITS[split]], i, side="right") - 1
+        row = np.load(tmp_path / f"{SPLITS[split]}-{shard}.npy")[i - offsets[SPLITS[split]][shard]]
+        assert (row == src).all()
