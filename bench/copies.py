@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from retropipe.data.chunking import SPLITS  # noqa: E402
 from retropipe.data.store import ChunkStore  # noqa: E402
 from retropipe.retrieval.copies import find_copies  # noqa: E402
 from retropipe.retrieval.embed import (cached_embedder, embed_stores, resolve_model_path, runner_precision,  # noqa: E402
@@ -51,7 +52,7 @@ def main(argv=None) -> int:
         print(f"bench/copies.py: {database} not found: build the database first (make demo)", file=sys.stderr)
         return 2
     stores = [ChunkStore(part["data_absolute"]) for part in json.loads(database.read_text())["parts"]]
-    chunks = sum(len(store.split(split)) for store in stores for split in ("train", "validation"))
+    chunks = sum(len(store.split(split)) for store in stores for split in SPLITS)
     began = time.perf_counter()
     copies = find_copies(stores)
     print(f"{len(stores)} parts, {chunks:,} chunks, {len(copies):,} exact copies ({len(copies) / chunks:.1%}), "

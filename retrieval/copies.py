@@ -122,7 +122,7 @@ class ShardAssembly:
     every source is embedded by some job: a shard waits only for jobs still to come."""
 
     def __init__(self, stores: list[ChunkStore], path_of, pending: dict, copies: ChunkCopies, jobs: list):
-        self.stores, self.path_of, self.pending, self.copies = stores, path_of, pending, copies
+        self.path_of, self.pending, self.copies = path_of, pending, copies
         self.pieces: dict[tuple[int, str, int], list] = {key: [] for key in pending}
         self.complete: list[tuple[int, str, int]] = []    # every job in, a source still to come
         self.dim: int | None = None
@@ -134,6 +134,9 @@ class ShardAssembly:
             need.setdefault((part, SPLITS[split]), set()).add(chunk)
         self.need = {key: np.array(sorted(ids), np.int64) for key, ids in need.items()}
         self.known: dict[tuple[int, int, int], np.ndarray] = {}  # sources embedded in this pass
+        # First chunk id of each chunk-store shard, per (part, split index): where a source's shard lies.
+        self.offsets = {(p, i): np.cumsum([0] + store.manifest["shard_chunks"][split])
+                        for p, store in enumerate(stores) for i, split in enumerate(SPLITS)}
         self._maps: dict = {}
 
     @property
@@ -176,8 +179,7 @@ class ShardAssembly:
         """A source's vector: embedded in this pass, or read from its shard on disk; None while its job is to come."""
         if (part, split_index, chunk) in self.known:
             return self.known[(part, split_index, chunk)]
-        split = SPLITS[split_index]
-        offsets = np.cumsum([0] + self.stores[part].manifest["shard_chunks"][split])
+        split, offsets = SPLITS[split_index], self.offsets[(part, split_index)]
         shard = int(np.searchsorted(offsets, chunk, side="right") - 1)
         if (part, split, shard) in self.pending:   # written by this pass: its vectors are known once embedded
             return None
