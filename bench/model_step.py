@@ -116,6 +116,13 @@ def step_times(runs: dict, device: str, autocast_dtype: torch.dtype | None, warm
     return best
 
 
+def compiled(model, how: str):
+    if how == "blocks":
+        for block in model.blocks:
+            block.compile()          # in place, once; a later dtype recompiles
+    return torch.compile(model) if how == "model" else model
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="shorter sequences and fewer iterations")
@@ -128,6 +135,9 @@ def main(argv=None) -> int:
     parser.add_argument("--dtypes", default="fp32,bf16", help="subset of fp32,bf16")
     parser.add_argument("--bf16", default="weights", choices=["weights", "autocast"],
                         help="bf16 as DeepSpeed trains (a bf16 model, the default) or fp32 weights under autocast")
+    parser.add_argument("--compile", default="none", choices=["none", "blocks", "model"],
+                        help="torch.compile each block (as a pipeline stage would) or the whole forward; the "
+                             "fused head stays as training runs it")
     args = parser.parse_args(argv)
     device, cuda = args.device, args.device == "cuda"
     if cuda and not torch.cuda.is_available():
@@ -137,7 +147,7 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     name = torch.cuda.get_device_name() if cuda else f"CPU, {torch.get_num_threads()} threads"
     print(f"device: {name}; torch {torch.__version__}; seq_len {seq_len}, chunk_len {args.chunk_len}, "
-          f"k {args.neighbours}; bf16 as {args.bf16}; best of {iters} steps after {warmup} warm-up")
+          f"k {args.neighbours}; bf16 as {args.bf16}{f'; torch.compile of the {args.compile}' if args.compile != 'none' else ''}; best of {iters} steps after {warmup} warm-up")
     dtypes = {label: DTYPES[label] for label in args.dtypes.split(",")}
     peak = {label: 0.0 for label in dtypes}
 
@@ -163,7 +173,7 @@ def main(argv=None) -> int:
             measure_peak()
             shapes_peak[(preset, label)] = model_matmul_flops(models["gpt2"][0], batch_size * seq_len, device, dtype)
             as_weights = dtype != torch.float32 and args.bf16 == "weights"
-            runs = {kind: (model.to(dtype if as_weights else torch.float32),
+            runs = {kind: (compiled(model.to(dtype if as_weights else torch.float32), args.compile),
                            (x, y) if kind == "gpt2" else (x, neighbours.to(device), y))
                     for kind, (cfg, model) in models.items()}
             autocast = dtype if dtype != torch.float32 and not as_weights else None

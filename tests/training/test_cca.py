@@ -4,6 +4,7 @@
 import pytest
 import torch
 
+from retropipe.training.models.cca import Positions
 from retropipe.training.models.config import ModelConfig
 
 M = 4  # chunk_len
@@ -30,7 +31,7 @@ def test_the_copy_gate_marks_where_a_neighbour_matches_the_text_just_read():
     match, bigram = cca.matches(neighbours, current)[0]
     assert torch.equal(match.long() + bigram.long(), expected)
     valid = neighbours.flatten(1) >= 0
-    logits = cca.logit_bias(torch.arange(5) + M - 1, torch.arange(8), valid, neighbours, current, torch.float32)
+    logits = cca.logit_bias(Positions(M - 1, M + 4), Positions(0, 8), valid, neighbours, current, torch.float32)
     bonus = torch.tensor([0.0, MATCH_INIT, MATCH_INIT + BIGRAM_INIT])[expected].masked_fill(~valid, float("-inf"))
     torch.testing.assert_close(logits[0, 0, :, 1:], bonus)                    # the position bias starts at 0
     torch.testing.assert_close(logits[0, :, :, 0], torch.full((2, 5), NULL_INIT))   # the null slot, every head
@@ -38,7 +39,7 @@ def test_the_copy_gate_marks_where_a_neighbour_matches_the_text_just_read():
     with torch.no_grad():
         cca.null_bias.fill_(1e4)
     q = torch.randn(1, 5, 32)
-    out = cca.attend(q, torch.randn(1, 1, 8, 16), neighbours, torch.arange(5), current)
+    out = cca.attend(q, torch.randn(1, 1, 8, 16), neighbours, Positions(0, 5), current)
     torch.testing.assert_close(out, cca.attn.proj.bias.expand(1, 5, 32))
 
 
@@ -102,6 +103,38 @@ def test_rotary_rotates_each_heads_halves_and_is_relative():
     assert not torch.allclose(dots[0], (rotary(q, torch.tensor([0]), 10.0) * rotary(k, torch.tensor([3]), 10.0)).sum())
 
 
+def test_attention_keeps_its_rotary_tables_and_they_train_after_inference():
+    """The tables an Attention keeps per positions are the ones rotary builds each call; kept while
+    generating (inference mode), they still serve a training step (saved for backward); a module
+    keeps a bounded number of them, and one per dtype."""
+    from retropipe.training.models.cca import CONSTANTS_KEPT, Attention, rotary
+
+    torch.manual_seed(0)
+    attn = Attention(16, 24, 16, 2, 0.0, 10.0)
+    x, context = torch.randn(3, 5, 16), torch.randn(3, 7, 24)
+    q_pos, k_pos = Positions(4, 9), Positions(0, 7)
+    with torch.inference_mode():
+        attn(x, context, q_pos, k_pos)
+    assert len(attn.constants) == 2
+
+    def reference(x):
+        k, v = attn.kv(context).chunk(2, dim=-1)
+        q, k = rotary(attn.q(x), q_pos.tensor("cpu"), 10.0, 2), rotary(k, k_pos.tensor("cpu"), 10.0, 2)
+        q, k, v = (z.unflatten(-1, (2, 8)).transpose(1, 2) for z in (q, k, v))
+        return attn.proj((torch.softmax(q @ k.transpose(-1, -2) / 8 ** 0.5, -1) @ v).transpose(1, 2).flatten(2))
+
+    x.requires_grad_(True)
+    y = attn(x, context, q_pos, k_pos)
+    torch.testing.assert_close(y, reference(x))
+    grad = torch.randn_like(y)
+    torch.testing.assert_close(torch.autograd.grad(y, x, grad)[0], torch.autograd.grad(reference(x), x, grad)[0])
+    attn.to(torch.float64)(x.double(), context.double(), q_pos, k_pos)
+    assert len(attn.constants) == 4
+    for start in range(2 * CONSTANTS_KEPT):
+        attn(x.double(), context.double(), Positions(start, start + 5), k_pos)
+    assert len(attn.constants) <= CONSTANTS_KEPT
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_the_ccas_logit_term_and_its_gradients_are_the_broadcast_sums(dtype):
     """The CCA's additive logits (one batched product and the keys' mask) equal the broadcast sum
@@ -117,13 +150,14 @@ def test_the_ccas_logit_term_and_its_gradients_are_the_broadcast_sums(dtype):
     neighbours = torch.randint(0, 4, (3, 2, 2 * M))
     neighbours[0, 1, M:] = -1
     current = torch.randint(0, 4, (3, M, 2))
-    q_pos, k_pos = torch.arange(M) + M - 1, torch.arange(2 * M).repeat(2)
+    q_pos, k_pos = Positions(M - 1, 2 * M - 1), Positions(0, 2 * M, 2)
     valid = neighbours.flatten(1) >= 0
     params = [cca.position_bias, cca.match_bias, cca.bigram_bias, cca.null_bias]
 
     def reference():
         match, bigram = cca.matches(neighbours, current)[:, :, None].unbind(1)             # (B, 1, t, k r) each
-        position = cca.position_bias_scale * cca.position_bias[:, k_pos[None, :] - q_pos[:, None] + 2 * M - 2]
+        qt, kt = q_pos.tensor("cpu"), k_pos.tensor("cpu")
+        position = cca.position_bias_scale * cca.position_bias[:, kt[None, :] - qt[:, None] + 2 * M - 2]
         bonus = cca.match_bias[:, None, None] * match + cca.bigram_bias[:, None, None] * bigram
         body = (position + cca.gate_scale * bonus).masked_fill(~valid[:, None, None], float("-inf"))
         null = (cca.gate_scale * cca.null_bias)[None, :, None, None].expand(3, -1, M, 1)

@@ -7,6 +7,8 @@ chunk reshapes around it. Missing neighbour tokens (id -1) are masked out of the
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -65,6 +67,46 @@ def rotary(x: torch.Tensor, pos: torch.Tensor, base: float, heads: int = 1) -> t
     return _Rotary.apply(x, cos, sin, heads)
 
 
+@dataclass(frozen=True)
+class Positions:
+    """The positions start … stop - 1, that run `times` times over: every set of positions RETRO's
+    attentions use (a neighbour's r tokens, a chunk's m, k neighbours side by side). Hashable, so
+    that what is built from them (rotary tables, the CCA's bias offsets) is built once."""
+    start: int
+    stop: int
+    times: int = 1
+
+    def __len__(self) -> int:
+        return (self.stop - self.start) * self.times
+
+    def shifted(self, by: int) -> "Positions":
+        return Positions(self.start + by, self.stop + by, self.times)
+
+    def tensor(self, device) -> torch.Tensor:
+        return torch.arange(self.start, self.stop, device=device).repeat(self.times)
+
+
+# Constants a module keeps per (positions, dtype, device); past this many it starts afresh (decoding
+# one token at a time meets at most chunk_len query positions per attention).
+CONSTANTS_KEPT = 256
+
+
+def kept_constant(cache: dict, key, build):
+    """build() once per key into cache: a tensor that depends on nothing learned (rotary tables,
+    index offsets). At RETRO's shapes each took a dozen small kernels per call, and on a GPU the
+    step waits on the host's launches (docs/benchmarks.md). Built outside inference mode, so that a
+    table first built while generating can be saved for backward in training; traced afresh under
+    torch.compile, which folds them into its kernels."""
+    if torch.compiler.is_compiling():
+        return build()
+    if key not in cache:
+        if len(cache) >= CONSTANTS_KEPT:
+            cache.clear()
+        with torch.inference_mode(False), torch.no_grad():
+            cache[key] = build()
+    return cache[key]
+
+
 def key_mask(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """From valid keys (..., t) bool: the keys to attend to and whether any key is valid (..., 1).
 
@@ -93,20 +135,26 @@ class Attention(nn.Module):
         self.kv = nn.Linear(d_kv, 2 * width)
         self.proj = nn.Linear(width, d_q)
         self.resid_drop = nn.Dropout(dropout)
+        self.constants: dict = {}    # rotary tables per (positions, dtype, device), kept_constant
 
-    def forward(self, x, context, q_pos, k_pos, mask=None, null_key=None):
-        # mask: bool (True = attend) or float (added to the attention logits: a relative-position
+    def forward(self, x, context, q_pos: Positions, k_pos: Positions, mask=None, null_key=None):
+        # q_pos, k_pos: the positions of the queries (t) and of the context's keys (s). mask: bool (True = attend) or float (added to the attention logits: a relative-position
         # term, -inf where not attended), broadcastable to (B, heads, t, s). null_key (heads, c): a
         # slot before the context whose value is zero, so attending to it adds nothing (the copy
         # gate's way to decline); the mask is then float and holds the slot's logits as column 0,
         # (B, heads, t, 1 + s) (ChunkedCrossAttention.logit_bias).
         k, v = self.kv(context).chunk(2, dim=-1)
-        q, k = (rotary(z, pos, self.rotary_base, self.n_head) for z, pos in ((self.q(x), q_pos), (k, k_pos)))
+        q, k = (_Rotary.apply(z, *self.tables(pos, z), self.n_head) for z, pos in ((self.q(x), q_pos), (k, k_pos)))
         q, k, v = (rearrange(z, "B t (h c) -> B h t c", h=self.n_head) for z in (q, k, v))
         if null_key is not None:
             k, v = with_null_slot(k, v, null_key)
         y = attention(q, k, v, mask, self.dropout if self.training else 0.0)
         return self.resid_drop(self.proj(rearrange(y, "B h t c -> B t (h c)")))
+
+    def tables(self, pos: Positions, like: torch.Tensor):
+        """rotary_tables of pos for x like `like` (..., t, heads·c), built once."""
+        return kept_constant(self.constants, (pos, like.dtype, like.device), lambda: rotary_tables(
+            pos.tensor(like.device), like.shape[-1], self.n_head, self.rotary_base, like.dtype))
 
 
 class ChunkedCrossAttention(nn.Module):
@@ -145,6 +193,7 @@ class ChunkedCrossAttention(nn.Module):
         # position_bias_scale × the parameter (ModelConfig: the bias must learn fast).
         self.position_bias = nn.Parameter(torch.zeros(cfg.n_head, 3 * m - 1))
         self.position_bias_scale = cfg.position_bias_scale
+        self.constants: dict = {}    # the bias's offsets per (positions, device), kept_constant
         self.copy_gate = cfg.copy_gate
         if cfg.copy_gate:  # constants, no random draw: every other weight starts as without the gate
             scale = cfg.position_bias_scale or 1.0
@@ -169,7 +218,7 @@ class ChunkedCrossAttention(nn.Module):
             current = rearrange(torch.stack([now, before], -1), "b (l m) two -> (b l) m two", m=m)
         encoded = rearrange(encoded, "b l k r e -> (b l) k r e")
         neighbours = rearrange(neighbours, "b l k r -> (b l) k r")
-        rows = torch.arange(m, device=h.device)
+        rows = Positions(0, m)
         if chunks is None:
             y = self.attend(q, encoded, neighbours, rows, current)
         else:
@@ -181,9 +230,9 @@ class ChunkedCrossAttention(nn.Module):
         y = rearrange(y, "(b l) m d -> b (l m) d", b=b)
         return F.pad(y, (0, 0, m - 1, -(m - 1)))  # undo the shift; positions 0 … m-2 get zeros
 
-    def attend(self, q: torch.Tensor, encoded: torch.Tensor, neighbours: torch.Tensor, rows: torch.Tensor,
+    def attend(self, q: torch.Tensor, encoded: torch.Tensor, neighbours: torch.Tensor, rows: Positions,
                current: torch.Tensor | None = None) -> torch.Tensor:
-        """q (B, t, d): normalised queries at rows `rows` (t,) of their shifted chunks; encoded
+        """q (B, t, d): normalised queries at rows `rows` (t) of their shifted chunks; encoded
         (B, k, r, e) and neighbours (B, k, r) of those chunks; current (B, t, 2): the token at each
         query's position and the one before (-1 = none) → (B, t, d), an exact zero where a chunk
         has no neighbour at all."""
@@ -191,25 +240,25 @@ class ChunkedCrossAttention(nn.Module):
         k, r = neighbours.shape[1:]
         context = rearrange(encoded, "B k r e -> B (k r) e")
         valid, any_valid = key_mask(rearrange(neighbours >= 0, "B k r -> B (k r)"))     # (B, k r), (B, 1)
-        q_pos = rows + (m - 1)
-        k_pos = torch.arange(r, device=q.device).repeat(k)  # every neighbour starts at offset 0
+        q_pos, k_pos = rows.shifted(m - 1), Positions(0, r, k)  # every neighbour starts at offset 0
         dtype = autocast_dtype(q.device.type) or q.dtype                       # the scores' dtype
         logits = self.logit_bias(q_pos, k_pos, valid, neighbours, current, dtype)
         y = self.attn(q, context, q_pos, k_pos, logits, self.null_key if self.copy_gate else None)   # (B, t, d)
         return y * any_valid[:, :, None].to(y.dtype)  # no neighbour → exact zero
 
-    def logit_bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor, valid: torch.Tensor, neighbours: torch.Tensor,
+    def logit_bias(self, q_pos: Positions, k_pos: Positions, valid: torch.Tensor, neighbours: torch.Tensor,
                    current: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        """The term added to the attention logits of queries at q_pos (t,) over keys at k_pos
-        (s = k r,): the position bias, -inf at keys not `valid` (B, s), and with the copy gate its
+        """The term added to the attention logits of queries at q_pos (t) over keys at k_pos
+        (s = k r): the position bias, -inf at keys not `valid` (B, s), and with the copy gate its
         bonuses and the null slot's logit as column 0 → (B, heads, t, [1 +] s) in dtype.
 
         The gate's term is one batched product, term + bonus (heads, 2) · marks (2, t (1 + s)) per
         chunk, over the channels (match, bigram) of each key, its additive term the null slot's
         column and the position bias. Built from broadcasts, the same sum took a dozen passes over
         (B, heads, t, s) each way (docs/benchmarks.md)."""
-        m, (B, s), t = self.chunk_len, valid.shape, len(q_pos)
-        offsets = k_pos[None, :] - q_pos[:, None] + 2 * m - 2                    # (t, s), into position_bias
+        m, (B, s), t, device = self.chunk_len, valid.shape, len(q_pos), valid.device
+        offsets = kept_constant(self.constants, (q_pos, k_pos, device), lambda: (          # (t, s), into position_bias
+            k_pos.tensor(device)[None, :] - q_pos.tensor(device)[:, None] + 2 * m - 2))
         position = self.position_bias_scale * self.position_bias[:, offsets]     # (heads, t, s)
         blocked = torch.zeros(B, s, dtype=dtype, device=valid.device).masked_fill_(~valid, float("-inf"))
         if not self.copy_gate:
@@ -256,7 +305,7 @@ class ChunkedCrossAttention(nn.Module):
         if tokens is not None:                             # (b, t, 2): each position's token, the one before
             current = torch.stack([tokens[:, 1:], tokens[:, :-1]], -1)[:, first - start:]
         if u0 == u1:  # one chunk (every step after the first): only the new rows are computed
-            rows = torch.arange(s0 % m, s1 % m + 1, device=h.device)
+            rows = Positions(s0 % m, s1 % m + 1)
             y = self.attend(x, encoded[:, u0], neighbours[:, u0], rows, current)
         else:         # a prompt over several chunks: lay the rows out in whole chunks, as forward
             chunks = h.new_zeros(b, (u1 - u0 + 1) * m, d)
@@ -267,8 +316,7 @@ class ChunkedCrossAttention(nn.Module):
                 current = rearrange(laid, "b (l m) two -> (b l) m two", m=m)
             y = self.attend(rearrange(chunks, "b (l m) d -> (b l) m d", m=m),
                             rearrange(encoded[:, u0:u1 + 1], "b l k r e -> (b l) k r e"),
-                            rearrange(neighbours[:, u0:u1 + 1], "b l k r -> (b l) k r"), torch.arange(m, device=h.device),
-                            current)
+                            rearrange(neighbours[:, u0:u1 + 1], "b l k r -> (b l) k r"), Positions(0, m), current)
             y = rearrange(y, "(b l) m d -> b (l m) d", b=b)[:, s0 - u0 * m:s1 - u0 * m + 1]
         out[:, first - start:] = y
         return out

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from einops import rearrange
 
-from retropipe.training.models.cca import Attention, key_mask
+from retropipe.training.models.cca import Attention, Positions, key_mask
 from retropipe.training.models.config import ModelConfig
 from retropipe.training.models.gpt2 import MLP, init_weights
 
@@ -33,14 +33,14 @@ class EncoderLayer(nn.Module):
     def forward(self, x, mask, context):
         # x (B·k, r, e) with B = b·l; mask (B·k, 1, 1, r); context (B, m, d) the retrieving chunk.
         k, r, m = x.shape[0] // context.shape[0], x.shape[1], context.shape[1]
-        pos_r, pos_m = torch.arange(r, device=x.device), torch.arange(m, device=x.device)
+        pos_r, pos_m = Positions(0, r), Positions(0, m)
         y = self.ln_1(x)
         x = x + self.attn(y, y, pos_r, pos_r, mask)
         # Cross-attention rows are independent, so the k neighbours of a chunk query its context
         # together: keys and values are projected once per chunk, not once per neighbour.
         # Neighbour token j and chunk token i share an origin: the neighbour is aligned with its chunk.
         y = rearrange(self.ln_2(x), "(B k) r e -> B (k r) e", k=k)
-        x = x + rearrange(self.cross(y, context, pos_r.repeat(k), pos_m), "B (k r) e -> (B k) r e", k=k)
+        x = x + rearrange(self.cross(y, context, Positions(0, r, k), pos_m), "B (k r) e -> (B k) r e", k=k)
         return x + self.mlp(self.ln_3(x))
 
 
