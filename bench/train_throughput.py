@@ -4,6 +4,9 @@
                                      [--micro-batches 8] [--stages 2] [--preset tiny] [--repeat 1]
                                      [--n-layer 12 --n-embd 384 --n-head 6]
                                      [--threads split,shared] [--fused-head true,false] [--layouts 4x4,2x8]
+    # one GPU: the engine's step against the plain loop's at the same micro-batches (NCCL, 1 stage)
+    python bench/train_throughput.py --device cuda --stages 1 --preset gpt2-124m --precision bf16 \
+                                     --seq-len 1024 --layouts 8x16,2x16 --threads shared
 
 Same model, same seeds, same global batch (micro_batch_size × micro_batches sequences of seq_len
 tokens, random tokens; RETRO gets 2 random neighbours of 2 · chunk_len tokens per chunk):
@@ -11,7 +14,8 @@ tokens, random tokens; RETRO gets 2 random neighbours of 2 · chunk_len tokens p
 - single: `build_model(cfg, layer_seed=seed)` + AdamW with gradient accumulation, one process using
   every core (bf16 via autocast);
 - pipeline: `build_pipeline` + `deepspeed.initialize`, `--stages` stages on as many processes
-  over gloo, exactly what launch/train.py runs, minus data loading. `--threads` lists the
+  over gloo (NCCL with `--device cuda`, one GPU per stage), exactly what launch/train.py runs,
+  minus data loading. `--threads` lists the
   thread policies to compare: "split" gives each process cores / processes threads (one core
   each here); "shared" gives every process all cores with OMP_WAIT_POLICY=PASSIVE, so the core
   of a stage that waits for its neighbour works for the busy one (launch/train.py's default).
@@ -77,24 +81,41 @@ def run_single(args, kind: str) -> float:
 
     torch.set_num_threads(os.cpu_count() or 1)
     model_cfg, train = configs(args, kind)
-    model = build_model(model_cfg, layer_seed=train.seed, fused_head=train.fused_head).train()
+    device = torch.device(args.device)
+    model = build_model(model_cfg, layer_seed=train.seed, fused_head=train.fused_head).train().to(device)
     loss_of = FusedLoss() if train.fused_head else lambda logits, labels: loss_fn(logits.float(), labels)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # as training/pipeline/deepspeed_config.py
     rng = torch.Generator().manual_seed(0)
-    batches = [random_micro_batch(model_cfg, train, rng) for _ in range(train.micro_batches)]
+    batches = [to_device(random_micro_batch(model_cfg, train, rng), device) for _ in range(train.micro_batches)]
     times = []
     for _ in range(args.warmup + args.steps):
+        synchronize(device)
         t0 = time.perf_counter()
         for inputs, labels in batches:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
                 outputs = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
             (loss_of(outputs, labels) / train.micro_batches).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        synchronize(device)
         times.append(time.perf_counter() - t0)
     tokens = train.micro_batch_size * train.micro_batches * train.seq_len
     return tokens / min(times[args.warmup:])
+
+
+def to_device(micro_batch, device):
+    inputs, labels = micro_batch
+    inputs = tuple(x.to(device) for x in inputs) if isinstance(inputs, tuple) else inputs.to(device)
+    return inputs, labels.to(device)
+
+
+def synchronize(device) -> None:
+    """A GPU runs ahead of the host: a step's time is taken once its kernels are done."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
 
 
 def worker(args) -> None:
@@ -106,7 +127,9 @@ def worker(args) -> None:
     from retropipe.training.pipeline.deepspeed_engine import build_pipeline
     from retropipe.training.run.hardware import peak_memory_mb
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    deepspeed.init_distributed(dist_backend="nccl" if args.device == "cuda" else "gloo")
     model_cfg, train = configs(args, args.worker)
     module, _, parts = build_pipeline(model_cfg, train)
     engine, *_ = deepspeed.initialize(model=module, model_parameters=[p for p in module.parameters()],
@@ -121,8 +144,10 @@ def worker(args) -> None:
     it = forever()
     times = []
     for _ in range(args.warmup + args.steps):
+        synchronize(args.device)
         t0 = time.perf_counter()
         engine.train_batch(data_iter=it)
+        synchronize(args.device)
         times.append(time.perf_counter() - t0)
     tokens = train.micro_batch_size * train.micro_batches * train.seq_len
     print(f"PEAK_RSS_MB {peak_memory_mb()[0]:.0f}", flush=True)  # every rank: a training process's peak memory
@@ -144,7 +169,8 @@ def run_pipeline(args, kind: str, policy: str) -> tuple[float, list[int], float]
         port = s.getsockname()[1]
     n = args.stages
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(n),
-           "LOCAL_WORLD_SIZE": str(n), "DS_ACCELERATOR": "cpu", **thread_environment(policy, n, n)}
+           "LOCAL_WORLD_SIZE": str(n), **thread_environment(policy, n, n),
+           **({"DS_ACCELERATOR": "cpu"} if args.device == "cpu" else {})}
     argv = [sys.executable, __file__, *sys.argv[1:], "--worker", kind, "--fused-head", str(args.fused_head).lower(),
             "--micro-batch-size", str(args.micro_batch_size), "--micro-batches", str(args.micro_batches)]
     procs = [subprocess.Popen(argv, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
@@ -177,8 +203,16 @@ def main() -> None:
     parser.add_argument("--fused-head", default="true", help="LM-head paths to compare: true, false or both")
     parser.add_argument("--layouts", default="", help="micro-batch layouts to compare, size x count: 4x4,2x8 "
                         "(the same global batch cut finer shrinks the bubble); default: the two options above")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="cuda: one GPU per pipeline stage, the single loop on the first")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.device == "cuda" and not args.worker:
+        import torch
+
+        if torch.cuda.device_count() < args.stages:
+            parser.error(f"--device cuda needs a GPU per stage: {args.stages} stages, "
+                         f"{torch.cuda.device_count()} GPUs")
     if args.worker:
         args.fused_head = args.fused_head == "true"
         return worker(args)
@@ -190,7 +224,7 @@ def main() -> None:
 
     torch.set_num_threads(os.cpu_count() or 1)
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
-    peak = max(matmul_flops_per_s(dtype, "cpu", size=1024, seconds=1.0) for _ in range(3))
+    peak = max(matmul_flops_per_s(dtype, args.device, seconds=1.0) for _ in range(3))
     layouts = [tuple(int(v) for v in layout.split("x")) for layout in args.layouts.split(",") if layout] \
         or [(args.micro_batch_size, args.micro_batches)]
     p = args.stages
