@@ -7,6 +7,9 @@
     # one GPU: the engine's step against the plain loop's at the same micro-batches (NCCL, 1 stage)
     python bench/train_throughput.py --device cuda --stages 1 --preset gpt2-124m --precision bf16 \
                                      --seq-len 1024 --layouts 8x16,2x16 --threads shared
+    # the host's work per micro-batch, the compute made negligible (GPT-2 small's 12 blocks at width 64):
+    python bench/train_throughput.py --stages 1 --n-layer 12 --n-embd 64 --n-head 2 --vocab-size 512 \
+                                     --seq-len 64 --chunk-len 16 --layouts 1x16 --precision bf16 --threads split
 
 Same model, same seeds, same global batch (micro_batch_size × micro_batches sequences of seq_len
 tokens, random tokens; RETRO gets 2 random neighbours of 2 · chunk_len tokens per chunk):
@@ -53,7 +56,7 @@ def configs(args, kind: str):
     for key in ("n_layer", "n_embd", "n_head"):
         if getattr(args, key):
             shape[key] = getattr(args, key)
-    model = ModelConfig(kind=kind, chunk_len=args.chunk_len, **shape)
+    model = ModelConfig(kind=kind, chunk_len=args.chunk_len, vocab_size=args.vocab_size, **shape)
     train = TrainConfig(fused_head=args.fused_head, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
                         micro_batches=args.micro_batches,
                         pipeline_stages=args.stages, steps=args.steps + args.warmup, precision=args.precision,
@@ -191,6 +194,8 @@ def main() -> None:
     parser.add_argument("--n-embd", type=int, default=0, help="override the preset's width")
     parser.add_argument("--n-head", type=int, default=0, help="override the preset's heads")
     parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--vocab-size", type=int, default=50257,
+                        help="a small one makes the compute negligible: what is left is each step's host work")
     parser.add_argument("--chunk-len", type=int, default=64)
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--micro-batches", type=int, default=8)
