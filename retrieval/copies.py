@@ -138,6 +138,9 @@ class ShardAssembly:
         self.offsets = {(p, i): np.cumsum([0] + store.manifest["shard_chunks"][split])
                         for p, store in enumerate(stores) for i, split in enumerate(SPLITS)}
         self._maps: dict = {}
+        # A complete shard's copies' vectors found so far, in order: a shard that waits resumes where
+        # it stopped, so each copy is looked up once and not again on every job that arrives.
+        self._found: dict[tuple[int, str, int], list] = {}
 
     @property
     def unwritten(self) -> list[tuple[int, str, int]]:
@@ -161,9 +164,13 @@ class ShardAssembly:
         pieces = sorted(self.pieces[key], key=lambda piece: piece[0])
         skip = np.array([chunk for _, _, skipped in pieces for chunk in skipped], np.int64)
         sources = [tuple(source) for source in self.copies.sources_of(part, split, skip).tolist()]
-        vectors = [self._source(*source) for source in sources]
-        if any(v is None for v in vectors):
-            return False
+        vectors = self._found.setdefault(key, [])
+        for source in sources[len(vectors):]:
+            vector = self._source(*source)
+            if vector is None:
+                return False
+            vectors.append(vector)
+        del self._found[key]
         rows = np.concatenate([v for _, v, _ in pieces])
         if len(skip):
             rows[skip - pieces[0][0]] = np.stack(vectors)

@@ -119,9 +119,11 @@ def test_shards_wait_for_their_sources_and_resume_to_the_same_bytes(tmp_path, or
     assert manifest["sha256"] == ref["sha256"]
 
 
-def test_a_source_vector_is_held_only_until_its_last_copy_is_written(tmp_path):
+@pytest.mark.parametrize("order", ["in order", "reversed"])
+def test_a_source_vector_is_held_only_until_its_last_copy_is_written(tmp_path, monkeypatch, order):
     """ShardAssembly on its own, with stand-in vectors: every shard written with its copies filled in,
-    and no source's vector left in memory at the end of the pass."""
+    and no source's vector left in memory at the end of the pass. A shard that waits for a source
+    looks each of its copies up once, not again on every job that arrives while it waits."""
     store = make_store(tmp_path, topic_docs())
     found = find_copies([store])
     jobs, pending = [], {}
@@ -133,12 +135,23 @@ def test_a_source_vector_is_held_only_until_its_last_copy_is_written(tmp_path):
             if shard_jobs:   # a shard without chunks is written empty, apart (embed_stores)
                 pending[(0, split, shard)] = len(shard_jobs)
     shards = ShardAssembly([store], lambda p, split, i: tmp_path / f"{split}-{i}.npy", pending, found, jobs)
-    for job in jobs:   # each chunk's stand-in vector: its id, in every column; copies' rows left zero
+    lookups, misses = [0], [0]
+    source = ShardAssembly._source
+
+    def counted(self, *args):
+        lookups[0] += 1
+        vector = source(self, *args)
+        misses[0] += vector is None
+        return vector
+
+    monkeypatch.setattr(ShardAssembly, "_source", counted)
+    for job in (jobs if order == "in order" else jobs[::-1]):   # each chunk's stand-in vector: its id; copies' rows zero
         vectors = np.repeat(np.arange(job.start, job.stop, dtype=np.float16)[:, None], 3, 1)
         vectors[np.asarray(job.skip, np.int64) - job.start] = 0
         shards.add(job, vectors)
         assert len(shards.known) <= sum(shards.uses.values())
     assert not shards.unwritten and not shards.known
+    assert lookups[0] - misses[0] == len(found) and (order == "in order") == (misses[0] == 0)
     offsets = {s: np.cumsum([0] + store.manifest["shard_chunks"][s]) for s in SPLITS}
     for (p, split, i), (_, src_split, src) in copies_as_dict(found).items():
         shard = np.searchsorted(offsets[SPLITS[split]], i, side="right") - 1
