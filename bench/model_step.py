@@ -1,6 +1,7 @@
 """Benchmark a model training step (forward + backward): GPT-2 vs RETRO, fp32 vs bf16, and MFU.
 
     python bench/model_step.py [--quick] [--device cpu|cuda] [--presets tiny,gpt2-124m] [--seq-len N]
+                               [--batch B] [--dtypes fp32,bf16] [--compile none|blocks|model]
 
 Prints, measured side by side in one run, for each preset and precision: tokens/s of the
 GPT-2 baseline and of RETRO on the same trunk (k = 2 neighbours of 2 · chunk_len tokens per
@@ -117,6 +118,8 @@ def step_times(runs: dict, device: str, autocast_dtype: torch.dtype | None, warm
 
 
 def compiled(model, how: str):
+    """model with its forward through torch.compile: "blocks" each block alone, in place (as
+    DeepSpeed's PipelineModule.compile does a stage's layers), "model" the whole; "none" as it is."""
     if how == "blocks":
         for block in model.blocks:
             block.compile()          # in place, once; a later dtype recompiles
@@ -147,7 +150,8 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     name = torch.cuda.get_device_name() if cuda else f"CPU, {torch.get_num_threads()} threads"
     print(f"device: {name}; torch {torch.__version__}; seq_len {seq_len}, chunk_len {args.chunk_len}, "
-          f"k {args.neighbours}; bf16 as {args.bf16}{f'; torch.compile of the {args.compile}' if args.compile != 'none' else ''}; best of {iters} steps after {warmup} warm-up")
+          f"k {args.neighbours}; bf16 as {args.bf16}; torch.compile: {args.compile}; "
+          f"best of {iters} steps after {warmup} warm-up")
     dtypes = {label: DTYPES[label] for label in args.dtypes.split(",")}
     peak = {label: 0.0 for label in dtypes}
 

@@ -2,7 +2,7 @@
 
     python bench/profile_step.py [--shapes tiny,12x384,gpt2-124m] [--kinds gpt2,retro] [--precision fp32|bf16|auto]
     # on a GPU, at the GPT-2 small shape, with a trace per profile for chrome://tracing or Perfetto:
-    python bench/profile_step.py --device cuda --shapes gpt2-124m --precision bf16 --batch 8 --seq-len 1024 --trace traces/
+    python bench/profile_step.py --device cuda --shapes gpt2-124m --precision bf16 --batch 8 --seq-len 1024 --trace runs/traces/
     # an AVX2-only CPU's kernels on an AVX-512 machine (same ISA paths, not the same chip):
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 python bench/profile_step.py --precision fp32
 
@@ -94,6 +94,14 @@ def self_time(e, device: str) -> float:
     return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
 
 
+def annotation(e, device: str) -> bool:
+    """A named range, not an operator or a kernel: the phases, and on a GPU every one (the
+    optimizer's own too), whose device time spans the kernels inside it, counted themselves. (On
+    the CPU a range's self time is the host's own work in it, e.g. the optimizer's Python.)"""
+    return e.key in PHASES or device != "cpu" and (bool(getattr(e, "is_user_annotation", False))
+                                                   or e.key.startswith("Optimizer."))
+
+
 def profile_one(shape: str, kind: str, precision: str, bf16: str, batch: int, seq_len: int, top: int,
                 device: str = "cpu", trace: Path | None = None) -> None:
     cfg = (ModelConfig(kind=kind, chunk_len=64, **SHAPES[shape]) if shape in SHAPES
@@ -133,7 +141,7 @@ def profile_one(shape: str, kind: str, precision: str, bf16: str, batch: int, se
     averages = prof.key_averages()
     unit = "CPU" if device == "cpu" else "GPU"
     # Operators (host-side events): a GPU kernel's time is counted once, at the operator that launched it.
-    events = [e for e in averages if self_time(e, device) > 0 and e.key not in PHASES
+    events = [e for e in averages if self_time(e, device) > 0 and not annotation(e, device)
               and e.device_type == torch.autograd.DeviceType.CPU]
     total = sum(self_time(e, device) for e in events)
     events.sort(key=lambda e: -self_time(e, device))
@@ -141,17 +149,19 @@ def profile_one(shape: str, kind: str, precision: str, bf16: str, batch: int, se
     print(f"\n## {shape} {kind}, {precision}, batch {batch} × {seq_len} tokens on {device}: step "
           f"{plain * 1e3:.1f} ms unprofiled ({batch * seq_len / plain:,.0f} tokens/s); profiled self {unit} "
           f"{total / 1e3:.1f} ms")
-    print("phases: " + ", ".join(f"{p} {phases.get(p, 0) * 1e3:.1f} ms ({phases.get(p, 0) / wall:.0%})" for p in PHASES))
+    print("phases: " + ", ".join(f"{p} {phases.get(p, 0) * 1e3:.1f} ms ({phases.get(p, 0) / wall:.0%})"
+                                 for p in PHASES))
     print(f"{'operator':<48} {'self ms':>9} {'share':>7} {'calls':>6}")
     for e in events[:top]:
         print(f"{e.key[:48]:<48} {self_time(e, device) / 1e3:>9.2f} {self_time(e, device) / total:>7.1%} {e.count:>6}")
     if device == "cuda":
-        kernels = sorted((e for e in averages if e.device_type == torch.autograd.DeviceType.CUDA),
-                         key=lambda e: -self_time(e, device))
-        print(f"{len(kernels)} kernel names, {sum(e.count for e in kernels)} launches")
+        kernels = sorted((e for e in averages if e.device_type == torch.autograd.DeviceType.CUDA
+                          and not annotation(e, device)), key=lambda e: -self_time(e, device))
+        print(f"{len(kernels)} kernel names, {sum(e.count for e in kernels)} launches (memsets and copies included)")
         print(f"{'kernel':<72} {'ms':>7} {'share':>7} {'calls':>6}")
         for e in kernels[:top]:
-            print(f"{e.key[:72]:<72} {self_time(e, device) / 1e3:>7.2f} {self_time(e, device) / total:>7.1%} {e.count:>6}")
+            ms = self_time(e, device) / 1e3
+            print(f"{e.key[:72]:<72} {ms:>7.2f} {ms * 1e3 / total:>7.1%} {e.count:>6}")
 
 
 def main(argv=None) -> int:

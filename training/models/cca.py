@@ -62,6 +62,7 @@ def rotary(x: torch.Tensor, pos: torch.Tensor, base: float, heads: int = 1) -> t
     base^(-2i/c) (RoFormer, rotate-half).
 
     q·k then depends on the positions only through their difference: a relative encoding.
+    `Attention` does the same with its tables kept (`Attention.tables`); this builds them each call.
     """
     cos, sin = rotary_tables(pos, x.shape[-1], heads, base, x.dtype)
     return _Rotary.apply(x, cos, sin, heads)
@@ -83,6 +84,7 @@ class Positions:
         return Positions(self.start + by, self.stop + by, self.times)
 
     def tensor(self, device) -> torch.Tensor:
+        """(len(self),) int64."""
         return torch.arange(self.start, self.stop, device=device).repeat(self.times)
 
 
@@ -99,12 +101,26 @@ def kept_constant(cache: dict, key, build):
     torch.compile, which folds them into its kernels."""
     if torch.compiler.is_compiling():
         return build()
-    if key not in cache:
+    value = cache.get(key)
+    if value is None:
         if len(cache) >= CONSTANTS_KEPT:
             cache.clear()
         with torch.inference_mode(False), torch.no_grad():
-            cache[key] = build()
-    return cache[key]
+            value = cache[key] = build()
+    return value
+
+
+class KeepsConstants(nn.Module):
+    """A module with kept_constant's cache, `constants`: emptied when the module moves or changes
+    dtype (`.to`, `.cuda`, `.bfloat16`), so that no table of its old device or dtype stays alive."""
+
+    def __init__(self):
+        super().__init__()
+        self.constants: dict = {}
+
+    def _apply(self, *args, **kwargs):
+        self.constants.clear()
+        return super()._apply(*args, **kwargs)
 
 
 def key_mask(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,8 +141,9 @@ def with_null_slot(k: torch.Tensor, v: torch.Tensor, key: torch.Tensor):
     return k, torch.cat([v.new_zeros(B, heads, 1, c), v], dim=2)
 
 
-class Attention(nn.Module):
-    """Multi-head attention of queries x (B, t, d_q) over a context (B, s, d_kv) → (B, t, d_q)."""
+class Attention(KeepsConstants):
+    """Multi-head attention of queries x (B, t, d_q) over a context (B, s, d_kv) → (B, t, d_q);
+    its rotary tables, per (positions, dtype, device), in `constants`."""
 
     def __init__(self, d_q: int, d_kv: int, width: int, n_head: int, dropout: float, rotary_base: float):
         super().__init__()
@@ -135,10 +152,10 @@ class Attention(nn.Module):
         self.kv = nn.Linear(d_kv, 2 * width)
         self.proj = nn.Linear(width, d_q)
         self.resid_drop = nn.Dropout(dropout)
-        self.constants: dict = {}    # rotary tables per (positions, dtype, device), kept_constant
 
     def forward(self, x, context, q_pos: Positions, k_pos: Positions, mask=None, null_key=None):
-        # q_pos, k_pos: the positions of the queries (t) and of the context's keys (s). mask: bool (True = attend) or float (added to the attention logits: a relative-position
+        # q_pos, k_pos: the positions of the queries (t) and of the context's keys (s). mask: bool
+        # (True = attend) or float (added to the attention logits: a relative-position
         # term, -inf where not attended), broadcastable to (B, heads, t, s). null_key (heads, c): a
         # slot before the context whose value is zero, so attending to it adds nothing (the copy
         # gate's way to decline); the mask is then float and holds the slot's logits as column 0,
@@ -152,12 +169,12 @@ class Attention(nn.Module):
         return self.resid_drop(self.proj(rearrange(y, "B h t c -> B t (h c)")))
 
     def tables(self, pos: Positions, like: torch.Tensor):
-        """rotary_tables of pos for x like `like` (..., t, heads·c), built once."""
+        """rotary_tables of pos for x like `like` (..., t, heads·c), built once → cos, sin (t, heads·c)."""
         return kept_constant(self.constants, (pos, like.dtype, like.device), lambda: rotary_tables(
             pos.tensor(like.device), like.shape[-1], self.n_head, self.rotary_base, like.dtype))
 
 
-class ChunkedCrossAttention(nn.Module):
+class ChunkedCrossAttention(KeepsConstants):
     """CCA (RETRO §2.4): the tokens of chunk u attend to the encoded neighbours of chunk u-1.
 
     Causal shift: the neighbours of chunk u were retrieved with chunk u's own tokens, so only
@@ -192,8 +209,7 @@ class ChunkedCrossAttention(nn.Module):
         # One logit bias per head and offset j − q in [-(2m-2), m]: 3m - 1 offsets, applied as
         # position_bias_scale × the parameter (ModelConfig: the bias must learn fast).
         self.position_bias = nn.Parameter(torch.zeros(cfg.n_head, 3 * m - 1))
-        self.position_bias_scale = cfg.position_bias_scale
-        self.constants: dict = {}    # the bias's offsets per (positions, device), kept_constant
+        self.position_bias_scale = cfg.position_bias_scale   # `constants`: the bias's offsets per (positions, device)
         self.copy_gate = cfg.copy_gate
         if cfg.copy_gate:  # constants, no random draw: every other weight starts as without the gate
             scale = cfg.position_bias_scale or 1.0
