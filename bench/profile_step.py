@@ -146,9 +146,11 @@ def profile_one(shape: str, kind: str, precision: str, bf16: str, batch: int, se
     total = sum(self_time(e, device) for e in events)
     events.sort(key=lambda e: -self_time(e, device))
     wall = sum(phases.values())
+    calls = sum(e.count for e in averages if e.device_type == torch.autograd.DeviceType.CPU
+                and not annotation(e, "cuda"))   # every operator the host dispatched, views included
     print(f"\n## {shape} {kind}, {precision}, batch {batch} × {seq_len} tokens on {device}: step "
           f"{plain * 1e3:.1f} ms unprofiled ({batch * seq_len / plain:,.0f} tokens/s); profiled self {unit} "
-          f"{total / 1e3:.1f} ms")
+          f"{total / 1e3:.1f} ms; {calls:,} operator calls")
     print("phases: " + ", ".join(f"{p} {phases.get(p, 0) * 1e3:.1f} ms ({phases.get(p, 0) / wall:.0%})"
                                  for p in PHASES))
     print(f"{'operator':<48} {'self ms':>9} {'share':>7} {'calls':>6}")
