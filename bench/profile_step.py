@@ -2,7 +2,8 @@
 
     python bench/profile_step.py [--shapes tiny,12x384,gpt2-124m] [--kinds gpt2,retro] [--precision fp32|bf16|auto]
     # on a GPU, at the GPT-2 small shape, with a trace per profile for chrome://tracing or Perfetto:
-    python bench/profile_step.py --device cuda --shapes gpt2-124m --precision bf16 --batch 8 --seq-len 1024 --trace runs/traces/
+    python bench/profile_step.py --device cuda --shapes gpt2-124m --precision bf16 --batch 8 --seq-len 1024 \
+        --trace runs/traces/
     # an AVX2-only CPU's kernels on an AVX-512 machine (same ISA paths, not the same chip):
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 python bench/profile_step.py --precision fp32
 

@@ -104,7 +104,7 @@ def run_single(args, kind: str) -> float:
         synchronize(device)
         times.append(time.perf_counter() - t0)
     tokens = train.micro_batch_size * train.micro_batches * train.seq_len
-    del model, opt, batches
+    del model, opt, batches, loss_of   # the fused head keeps its slice buffers
     if device.type == "cuda":   # the pipeline's rank 0 trains on this GPU next
         torch.cuda.empty_cache()
     return tokens / min(times[args.warmup:])

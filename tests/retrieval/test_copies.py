@@ -145,7 +145,8 @@ def test_a_source_vector_is_held_only_until_its_last_copy_is_written(tmp_path, m
         return vector
 
     monkeypatch.setattr(ShardAssembly, "_source", counted)
-    for job in (jobs if order == "in order" else jobs[::-1]):   # each chunk's stand-in vector: its id; copies' rows zero
+    for job in (jobs if order == "in order" else jobs[::-1]):
+        # each chunk's stand-in vector: its id, in every column; copies' rows left zero
         vectors = np.repeat(np.arange(job.start, job.stop, dtype=np.float16)[:, None], 3, 1)
         vectors[np.asarray(job.skip, np.int64) - job.start] = 0
         shards.add(job, vectors)

@@ -209,7 +209,8 @@ class ChunkedCrossAttention(KeepsConstants):
         # One logit bias per head and offset j − q in [-(2m-2), m]: 3m - 1 offsets, applied as
         # position_bias_scale × the parameter (ModelConfig: the bias must learn fast).
         self.position_bias = nn.Parameter(torch.zeros(cfg.n_head, 3 * m - 1))
-        self.position_bias_scale = cfg.position_bias_scale   # `constants`: the bias's offsets per (positions, device)
+        self.position_bias_scale = cfg.position_bias_scale
+        # `constants` (KeepsConstants): the bias's offsets into position_bias, per (positions, device).
         self.copy_gate = cfg.copy_gate
         if cfg.copy_gate:  # constants, no random draw: every other weight starts as without the gate
             scale = cfg.position_bias_scale or 1.0
