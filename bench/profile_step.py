@@ -95,12 +95,11 @@ def self_time(e, device: str) -> float:
     return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
 
 
-def annotation(e, device: str) -> bool:
-    """A named range, not an operator or a kernel: the phases, and on a GPU every one (the
-    optimizer's own too), whose device time spans the kernels inside it, counted themselves. (On
-    the CPU a range's self time is the host's own work in it, e.g. the optimizer's Python.)"""
-    return e.key in PHASES or device != "cpu" and (bool(getattr(e, "is_user_annotation", False))
-                                                   or e.key.startswith("Optimizer."))
+def named_range(e) -> bool:
+    """A named range (the phases, the optimizer's own), not an operator or a kernel. On a GPU its
+    device time spans the kernels inside it, counted themselves; on the CPU its self time is the
+    host's own work in it (the optimizer's Python), so only the phases are left out there."""
+    return e.key in PHASES or bool(getattr(e, "is_user_annotation", False)) or e.key.startswith("Optimizer.")
 
 
 def profile_one(shape: str, kind: str, precision: str, bf16: str, batch: int, seq_len: int, top: int,
@@ -142,13 +141,13 @@ def profile_one(shape: str, kind: str, precision: str, bf16: str, batch: int, se
     averages = prof.key_averages()
     unit = "CPU" if device == "cpu" else "GPU"
     # Operators (host-side events): a GPU kernel's time is counted once, at the operator that launched it.
-    events = [e for e in averages if self_time(e, device) > 0 and not annotation(e, device)
-              and e.device_type == torch.autograd.DeviceType.CPU]
+    events = [e for e in averages if self_time(e, device) > 0 and e.device_type == torch.autograd.DeviceType.CPU
+              and not (e.key in PHASES if device == "cpu" else named_range(e))]
     total = sum(self_time(e, device) for e in events)
     events.sort(key=lambda e: -self_time(e, device))
     wall = sum(phases.values())
     calls = sum(e.count for e in averages if e.device_type == torch.autograd.DeviceType.CPU
-                and not annotation(e, "cuda"))   # every operator the host dispatched, views included
+                and not named_range(e))   # every operator the host dispatched, views included
     print(f"\n## {shape} {kind}, {precision}, batch {batch} × {seq_len} tokens on {device}: step "
           f"{plain * 1e3:.1f} ms unprofiled ({batch * seq_len / plain:,.0f} tokens/s); profiled self {unit} "
           f"{total / 1e3:.1f} ms; {calls:,} operator calls")
@@ -159,7 +158,7 @@ def profile_one(shape: str, kind: str, precision: str, bf16: str, batch: int, se
         print(f"{e.key[:48]:<48} {self_time(e, device) / 1e3:>9.2f} {self_time(e, device) / total:>7.1%} {e.count:>6}")
     if device == "cuda":
         kernels = sorted((e for e in averages if e.device_type == torch.autograd.DeviceType.CUDA
-                          and not annotation(e, device)), key=lambda e: -self_time(e, device))
+                          and not named_range(e)), key=lambda e: -self_time(e, device))
         print(f"{len(kernels)} kernel names, {sum(e.count for e in kernels)} launches (memsets and copies included)")
         print(f"{'kernel':<72} {'ms':>7} {'share':>7} {'calls':>6}")
         for e in kernels[:top]:

@@ -138,9 +138,10 @@ class ShardAssembly:
         self.offsets = {(p, i): np.cumsum([0] + store.manifest["shard_chunks"][split])
                         for p, store in enumerate(stores) for i, split in enumerate(SPLITS)}
         self._maps: dict = {}
-        # A complete shard's copies' vectors found so far, in order: a shard that waits resumes where
-        # it stopped, so each copy is looked up once and not again on every job that arrives.
-        self._found: dict[tuple[int, str, int], list] = {}
+        # A complete shard that waits for a source: its pieces in order, its copies' ids and sources, and
+        # the sources' vectors found so far. It resumes where it stopped, so each copy is listed and
+        # looked up once, not again on every job that arrives.
+        self._waiting: dict[tuple[int, str, int], tuple] = {}
 
     @property
     def unwritten(self) -> list[tuple[int, str, int]]:
@@ -160,17 +161,19 @@ class ShardAssembly:
 
     def _write(self, key: tuple[int, str, int]) -> bool:
         """Write a complete shard with its copies filled in; False while a source is still to come."""
-        part, split, _ = key
-        pieces = sorted(self.pieces[key], key=lambda piece: piece[0])
-        skip = np.array([chunk for _, _, skipped in pieces for chunk in skipped], np.int64)
-        sources = [tuple(source) for source in self.copies.sources_of(part, split, skip).tolist()]
-        vectors = self._found.setdefault(key, [])
+        if key not in self._waiting:
+            part, split, _ = key
+            pieces = sorted(self.pieces[key], key=lambda piece: piece[0])
+            skip = np.array([chunk for _, _, skipped in pieces for chunk in skipped], np.int64)
+            sources = [tuple(source) for source in self.copies.sources_of(part, split, skip).tolist()]
+            self._waiting[key] = (pieces, skip, sources, [])
+        pieces, skip, sources, vectors = self._waiting[key]
         for source in sources[len(vectors):]:
             vector = self._source(*source)
             if vector is None:
                 return False
             vectors.append(vector)
-        del self._found[key]
+        del self._waiting[key]
         rows = np.concatenate([v for _, v, _ in pieces])
         if len(skip):
             rows[skip - pieces[0][0]] = np.stack(vectors)
