@@ -172,16 +172,25 @@ def _slice_grads(probs: torch.Tensor, target: torch.Tensor, valid: torch.Tensor,
 
     d(Σ nll)/d logits = softmax − one-hot on rows with a target, computed in place of probs, in
     the matmuls' dtype. Where a gradient is kept in another dtype (fp32 h and W under autocast)
-    the products are converted; otherwise they are written and accumulated in place."""
+    the products are converted; otherwise they are written and accumulated in place.
+
+    Rows without a target give no gradient. Their (S, V) rows of `grad` are left as they are;
+    instead their rows of hs (S, d) are zeroed for W's product, and their rows of h's gradient are
+    zeroed after its product: the same sums, with the zeros on the other side of each product.
+    Zeroing the (S, V) rows through a boolean mask was a pass over the whole slice: 10 ms per fp32
+    slice on 2 AVX2 cores, 7% of the demo's head stage."""
     grad = probs
     grad[torch.arange(len(target), device=probs.device), target] -= 1.0
-    if not valid.all():
-        grad[~valid] = 0.0
+    no_target = None if valid.all() else ~valid
     if grad_h is not None:
         if grad_h.dtype == grad.dtype:
             torch.mm(grad, w, out=grad_h)
         else:
             grad_h[:] = grad @ w
+        if no_target is not None:
+            grad_h[no_target] = 0.0
+    if no_target is not None:
+        hs = hs.masked_fill(no_target[:, None], 0.0)                   # (S, d)
     if grad_w is not None:
         if grad_w.dtype == grad.dtype:
             grad_w.addmm_(grad.t(), hs, beta=1 if accumulate else 0)    # beta 0: grad_w's content unread
