@@ -199,6 +199,29 @@ def test_kept_head_buffers_give_the_fresh_results_and_are_reused_on_the_cpu():
                        torch.zeros_like(w))
 
 
+def test_tokens_without_a_target_give_no_gradient_in_any_precision():
+    """The head zeroes such tokens' share through their rows of h (and of h's gradient), not their
+    rows of the slice's logits: h's gradient there is exactly 0, and W's is the one the other tokens
+    alone give."""
+    from retropipe.training.models.lm_head import lm_loss
+
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        h = torch.randn(2, 6, 16, dtype=dtype, requires_grad=True)
+        w = torch.randn(37, 16, dtype=dtype, requires_grad=True)
+        y = torch.randint(0, 37, (2, 6))
+        y[0, 1:4] = -100
+        (lm_loss(h, w, y, slice_tokens=4) * (y != -100).sum()).backward()
+        keep = y != -100
+        assert (h.grad[~keep] == 0).all() and (h.grad[keep] != 0).all()
+        h_kept = h.detach()[keep][None].requires_grad_()
+        w_kept = w.detach().clone().requires_grad_()
+        (lm_loss(h_kept, w_kept, y[keep][None], slice_tokens=4) * keep.sum()).backward()
+        tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(w.grad, w_kept.grad, **tol)
+        torch.testing.assert_close(h.grad[keep], h_kept.grad[0], **tol)
+
+
 def test_the_head_padded_with_zero_rows_gives_the_same_loss_and_gradients(monkeypatch):
     """On a GPU the head's matrix gets zero rows up to a multiple of 64 (cuBLAS's fast kernels),
     their logits -inf; forced here on the CPU, to a multiple of 8."""
