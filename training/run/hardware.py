@@ -109,6 +109,32 @@ def thread_environment(policy: str, local_processes: int, stages: int = 1) -> di
             "OMP_WAIT_POLICY": "PASSIVE" if policy == "shared" else "ACTIVE"}
 
 
+def share_of_peak(device: str, policy: str, local_rank: int) -> str:
+    """What this process adds to the world's matmul peak (MFU's denominator): "own", its own
+    measurement; "host", its host's, measured on all the host's cores; "none", nothing.
+
+    Every GPU adds its own. CPU processes with "shared" threads all run on all their host's cores, so
+    one of them (local rank 0) measures the host while the others wait. Measured by each at once and
+    summed, the demo's two ranks came to 1.4–1.9× the machine's peak (MFU 0.32–0.36 where one
+    measurement of the machine gives 0.45–0.54, a 2-core AVX2 EPYC). With
+    "split" each process has its own share of the cores and adds what it measures on them."""
+    if device != "cpu" or policy != "shared":
+        return "own"
+    return "host" if local_rank == 0 else "none"
+
+
+def host_matmul_flops_per_s(dtype=None) -> float:
+    """matmul_flops_per_s on all this host's CPU cores, whatever this process's own thread count."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        return matmul_flops_per_s(dtype, "cpu")
+    finally:
+        torch.set_num_threads(threads)
+
+
 def peak_matmul_shape(device: str) -> tuple[int, int]:
     """(size, products per timing) of the peak measurement. A CPU runs a 1024² product at its peak;
     a GPU needs 8192² and many products between synchronisations, or a timing measures launch

@@ -10,6 +10,7 @@ of every rank, `state.json`, `latest.json`: training/run/run_dir.py describes th
 from __future__ import annotations
 
 import math
+import os
 import time
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from retropipe.data.errors import TrainingError
 from retropipe.data.stage import fault_point
 from retropipe.training.models.flops import flops_per_token, mfu
 from retropipe.training.run.batches import SequenceBatches, micro_batches
-from retropipe.training.run.hardware import matmul_flops_per_s, peak_memory_mb
+from retropipe.training.run.hardware import host_matmul_flops_per_s, matmul_flops_per_s, peak_memory_mb, share_of_peak
 from retropipe.training.run.metrics_log import MetricsLog
 from retropipe.training.run.rng import rng_state, set_rng_state
 from retropipe.training.run.run_dir import checkpoint_tag, declare_checkpoint
@@ -177,12 +178,16 @@ class Trainer:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     def _peak_flops(self) -> float:
-        """The whole world's matmul peak in the run's precision, which MFU is measured against."""
+        """The whole world's matmul peak in the run's precision, which MFU is measured against: the
+        sum of its GPUs', or of its hosts' CPUs' (`share_of_peak`)."""
         device = self._device()
+        share = share_of_peak(device, self.t.cpu_threads, int(os.environ.get("LOCAL_RANK", 0)))
         # Measured under a forked RNG (its random matrices must not shift a resumed run's stream),
         # and reduced on the device: NCCL takes no CPU tensors.
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device == "cuda" else []):
-            peak = torch.tensor(matmul_flops_per_s(self.dtype, device), device=device)
+            mine = {"own": lambda: matmul_flops_per_s(self.dtype, device),
+                    "host": lambda: host_matmul_flops_per_s(self.dtype), "none": lambda: 0.0}[share]()
+        peak = torch.tensor(mine, device=device)
         dist.all_reduce(peak)
         return float(peak)
 
