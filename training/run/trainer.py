@@ -185,8 +185,10 @@ class Trainer:
         # Measured under a forked RNG (its random matrices must not shift a resumed run's stream),
         # and reduced on the device: NCCL takes no CPU tensors.
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device == "cuda" else []):
-            mine = {"own": lambda: matmul_flops_per_s(self.dtype, device),
-                    "host": lambda: host_matmul_flops_per_s(self.dtype), "none": lambda: 0.0}[share]()
+            if share == "own":
+                mine = matmul_flops_per_s(self.dtype, device)
+            else:
+                mine = host_matmul_flops_per_s(self.dtype) if share == "host" else 0.0
         peak = torch.tensor(mine, device=device)
         dist.all_reduce(peak)
         return float(peak)
