@@ -41,11 +41,14 @@ VENV_BIN = str(Path(PY).parent)
 
 def stop_ray_head(proc: subprocess.Popen, temp_dir: str) -> None:
     """Stop only the head these tests started (not `ray stop`, which would stop every Ray here)."""
-    proc.terminate()  # `ray start --block` takes the processes it started down with it
+    proc.terminate()  # `ray start --block` takes the processes it started down with it...
     try:
-        proc.wait(timeout=20)
+        proc.wait(timeout=3)
     except subprocess.TimeoutExpired:
-        pass
+        # ...when nothing ever connected; after a driver, a job or a lost node it outwaited any
+        # grace (20 s of every stop): the head is the test's own, killed with its process group.
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
     for pid in os.listdir("/proc"):  # anything of this head that outlived it, by its own temp dir
         if pid.isdigit() and int(pid) != os.getpid():
             try:
