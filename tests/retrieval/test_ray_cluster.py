@@ -3,7 +3,7 @@ as Ray's own multi-node tests do: a head (`ray start --head`) and a second rayle
 (`ray start --address`), one CPU each, token authentication on (docs/cluster.md).
 
 - the entry points joined by --address spread their work over both nodes (each stage's run.json
-  says which node ran what) and write exactly the bytes of a one-node build;
+  says which node ran what) and write exactly the bytes of an in-process build;
 - the second node's raylet SIGKILLed in the middle of embedding (after its actor's second job):
   the build completes, byte-identical, with nothing half-written left behind.
 """
@@ -11,6 +11,7 @@ as Ray's own multi-node tests do: a head (`ray start --head`) and a second rayle
 import json
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -41,8 +42,12 @@ class TwoNodes:
 
     def __init__(self, home: Path, worker_env: dict | None = None):
         self.temp_dir = tempfile.mkdtemp(prefix="/tmp/rp2n")  # short: Ray's socket paths have a length limit
+        # A dead raylet refuses the GCS's health checks at once: 3 failures 1 s apart declare it
+        # dead, where Ray's defaults (5, 3 s apart) spent 12 s more of the lost-node test waiting.
+        # A busy live one still has each check's 10 s timeout to answer.
         self.env = {**os.environ, "HOME": str(home), "RAY_AUTH_MODE": "token",
-                    "PATH": f"{VENV_BIN}:{os.environ['PATH']}"}
+                    "PATH": f"{VENV_BIN}:{os.environ['PATH']}", "RAY_health_check_period_ms": "1000",
+                    "RAY_health_check_failure_threshold": "3"}
         self.env.pop("RAY_ADDRESS", None)
         subprocess.run(["ray", "get-auth-token", "--generate"], env=self.env, capture_output=True, timeout=120)
         self.address = f"127.0.0.1:{free_port()}"
@@ -70,7 +75,9 @@ class TwoNodes:
                               text=True, timeout=600)
 
     def stop(self) -> None:
-        self.worker.terminate()
+        if self.worker.poll() is None:
+            os.killpg(self.worker.pid, signal.SIGKILL)   # the head's stop sweeps up what it started
+            self.worker.wait()
         stop_ray_head(self.head, self.temp_dir)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
@@ -89,19 +96,30 @@ def nodes_that_worked(stage_dir: Path, kind: str) -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def one_node_build(tmp_path_factory):
-    """The reference: the same entry points on a private one-node Ray of 2 CPUs (2 actors of 1 thread)."""
+    """The reference: the same configuration prepared and built in-process, without Ray (the Ray
+    one-node paths have their own tests: tests/retrieval/test_retrieval_ray.py), embedding on one
+    thread as each of the cluster's one-CPU actors does (docs/cluster.md: the bytes depend on it)."""
+    import torch
+
+    from retropipe.data.prepare import prepare
+    from retropipe.data.store import ChunkStore
+    from retropipe.launch.config import load_config
+    from retropipe.retrieval.build import build_retrieval
+
     wd = tmp_path_factory.mktemp("one-node")
-    env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ['PATH']}"}
-    env.pop("RAY_ADDRESS", None)
-    for entry in ("prepare_data", "build_index"):
-        sets = [a for s in [f"workdir={wd}", *SETS] for a in ("--set", s)]
-        done = subprocess.run(["python", f"launch/{entry}.py", "--config", "configs/tiny.yaml", "--no-progress", *sets],
-                              env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", [f"workdir={wd}", *SETS])
+    prepare(cfg.data, cfg.data_dir, progress=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        build_retrieval(cfg.retrieval, ChunkStore(cfg.data_dir), cfg.retrieval_dir,
+                        chunks_per_seq=cfg.train.seq_len // cfg.data.chunk_len)
+    finally:
+        torch.set_num_threads(threads)
     return wd
 
 
-def test_two_nodes_share_the_work_and_write_the_bytes_of_one(one_node_build, tmp_path):
+def test_two_nodes_share_the_work_and_write_the_bytes_of_one_process(one_node_build, tmp_path):
     cluster = TwoNodes(tmp_path / "home")
     try:
         for entry in ("prepare_data", "build_index"):
