@@ -34,6 +34,18 @@ def test_precision_auto_takes_bf16_only_where_the_kernels_may_use_it(monkeypatch
     assert hw.resolve_precision("auto") == "fp32" and hw.resolve_precision("bf16") == "bf16"
 
 
+def test_mfu_of_emulated_bf16_is_measured_against_the_fp32_peak(monkeypatch, kernels_unheld):
+    """Its arithmetic runs on the fp32 units: against the emulation's own speed it logged MFU 2-3."""
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    assert hw.peak_dtype(torch.bfloat16, "cpu") == torch.float32
+    assert hw.peak_dtype(torch.float32, "cpu") == torch.float32
+    assert hw.peak_dtype(torch.bfloat16, "cuda") == torch.bfloat16
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f", "avx512_bf16"}))
+    assert hw.peak_dtype(torch.bfloat16, "cpu") == torch.bfloat16
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # the same CPU held below its bf16 instructions
+    assert hw.peak_dtype(torch.bfloat16, "cpu") == torch.float32
+
+
 def test_a_gpu_before_ampere_gets_fp16_not_emulated_bf16(monkeypatch):
     """torch.cuda.is_bf16_supported() says True on a V100 or T4 (emulation, far slower than fp16);
     the precision comes from this rank's own GPU's compute capability."""

@@ -109,6 +109,18 @@ def thread_environment(policy: str, local_processes: int, stages: int = 1) -> di
             "OMP_WAIT_POLICY": "PASSIVE" if policy == "shared" else "ACTIVE"}
 
 
+def peak_dtype(dtype, device: str):
+    """The dtype whose matmul peak MFU is measured against: the run's, except bf16 on a CPU that
+    emulates it (cpu_has_bf16 false), which counts against fp32: its arithmetic runs on the fp32
+    units, and the emulation's own 1024² products, 30-90× slower than fp32's on a 2-core AVX2 EPYC,
+    made a bf16 run's logged MFU 2-3 (and took 2 s to measure at every start)."""
+    import torch
+
+    if device == "cpu" and dtype == torch.bfloat16 and not cpu_has_bf16():
+        return torch.float32
+    return dtype
+
+
 def share_of_peak(device: str, policy: str, local_rank: int) -> str:
     """What this process adds to the world's matmul peak (MFU's denominator): "own", its own
     measurement; "host", its host's, measured on all the host's cores; "none", nothing.

@@ -22,7 +22,8 @@ from retropipe.data.errors import TrainingError
 from retropipe.data.stage import fault_point
 from retropipe.training.models.flops import flops_per_token, mfu
 from retropipe.training.run.batches import SequenceBatches, micro_batches
-from retropipe.training.run.hardware import host_matmul_flops_per_s, matmul_flops_per_s, peak_memory_mb, share_of_peak
+from retropipe.training.run.hardware import (host_matmul_flops_per_s, matmul_flops_per_s, peak_dtype, peak_memory_mb,
+                                             share_of_peak)
 from retropipe.training.run.metrics_log import MetricsLog
 from retropipe.training.run.rng import rng_state, set_rng_state
 from retropipe.training.run.run_dir import checkpoint_tag, declare_checkpoint
@@ -178,17 +179,18 @@ class Trainer:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     def _peak_flops(self) -> float:
-        """The whole world's matmul peak in the run's precision, which MFU is measured against: the
-        sum of its GPUs', or of its hosts' CPUs' (`share_of_peak`)."""
+        """The whole world's matmul peak in the run's precision (`peak_dtype`), which MFU is measured
+        against: the sum of its GPUs', or of its hosts' CPUs' (`share_of_peak`)."""
         device = self._device()
         share = share_of_peak(device, self.t.cpu_threads, int(os.environ.get("LOCAL_RANK", 0)))
         # Measured under a forked RNG (its random matrices must not shift a resumed run's stream),
         # and reduced on the device: NCCL takes no CPU tensors.
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device == "cuda" else []):
+            dtype = peak_dtype(self.dtype, device)
             if share == "own":
-                mine = matmul_flops_per_s(self.dtype, device)
+                mine = matmul_flops_per_s(dtype, device)
             else:
-                mine = host_matmul_flops_per_s(self.dtype) if share == "host" else 0.0
+                mine = host_matmul_flops_per_s(dtype) if share == "host" else 0.0
         peak = torch.tensor(mine, device=device)
         dist.all_reduce(peak)
         return float(peak)
