@@ -54,34 +54,51 @@ def two_nodes(workdir, config, name, *overrides, timeout=300, node_env=None) -> 
     return train_nodes(2, 2, args(workdir, config, name, *overrides), workdir / f"logs-{name}", timeout, node_env)
 
 
+@pytest.fixture(scope="module")
+def four_steps(workdir):
+    """run(config, nodes): the run directory and log of COMMON's 4 steps of `config` on two nodes
+    or on one (4 processes either way), trained once: compared by one test, extended by another."""
+    done = {}
+
+    def run(config: str, nodes: int):
+        if (config, nodes) not in done:
+            name = f"{config.split('-')[1].split('.')[0]}-{('one', 'two')[nodes - 1]}"
+            if nodes == 2:
+                codes, log = two_nodes(workdir, config, name)
+                assert codes == [0, 0], log[-3000:]
+            else:
+                code, log = train(4, args(workdir, config, name), workdir / f"logs-{name}")
+                assert code == 0, log[-3000:]
+            done[config, nodes] = workdir / "runs" / name, log
+        return done[config, nodes]
+
+    return run
+
+
 @pytest.mark.parametrize("config", ["tiny-gpt2.yaml", "tiny-retro.yaml"])
-def test_two_nodes_equal_one_node_and_one_process(workdir, config):
+def test_two_nodes_equal_one_node_and_one_process(workdir, four_steps, config):
     kind = config.split("-")[1].split(".")[0]
-    codes, log = two_nodes(workdir, config, f"{kind}-two")
-    assert codes == [0, 0], log[-3000:]
+    (two_dir, log), (one_dir, _) = four_steps(config, 2), four_steps(config, 1)
     assert "pipeline: 2 stages × 2 data parallel" in log
-    code, log = train(4, args(workdir, config, f"{kind}-one"), workdir / f"logs-{kind}-one")
-    assert code == 0, log[-3000:]
     code, log = train(1, args(workdir, config, f"{kind}-single", "train.pipeline_stages=1", "train.micro_batches=4"),
                       workdir / f"logs-{kind}-single")
     assert code == 0, log[-3000:]
-    two, one, single = (losses(workdir / "runs" / f"{kind}-{n}") for n in ("two", "one", "single"))
+    two, one, single = (losses(d) for d in (two_dir, one_dir, workdir / "runs" / f"{kind}-single"))
     assert sorted(two) == [1, 2, 3, 4] and two == one  # the same ranks, the same sums: bit for bit
     for step in two:  # the same samples per step; sums in another order
         assert abs(two[step] - single[step]) < 1e-5, (step, two[step], single[step])
 
 
-def test_checkpoints_move_between_one_node_and_two(workdir):
+def test_checkpoints_move_between_one_node_and_two(workdir, four_steps):
     """A 2-node run extended on 1 node, a 1-node run extended on 2 nodes: the same steps 5 and 6."""
     for name, first, then in (("g2to1", 2, 1), ("g1to2", 1, 2)):
-        for nodes, steps in ((first, 4), (then, 6)):
-            if nodes == 2:
-                codes, log = two_nodes(workdir, "tiny-gpt2.yaml", name, f"train.steps={steps}")
-                assert codes == [0, 0], log[-3000:]
-            else:
-                code, log = train(4, args(workdir, "tiny-gpt2.yaml", name, f"train.steps={steps}"),
-                                  workdir / f"logs-{name}-{steps}")
-                assert code == 0, log[-3000:]
+        shutil.copytree(four_steps("tiny-gpt2.yaml", first)[0], workdir / "runs" / name)  # its 4 steps
+        if then == 2:
+            codes, log = two_nodes(workdir, "tiny-gpt2.yaml", name, "train.steps=6")
+            assert codes == [0, 0], log[-3000:]
+        else:
+            code, log = train(4, args(workdir, "tiny-gpt2.yaml", name, "train.steps=6"), workdir / f"logs-{name}-6")
+            assert code == 0, log[-3000:]
         assert "resumed from step 4" in log, log[-2000:]
     a, b = losses(workdir / "runs" / "g2to1"), losses(workdir / "runs" / "g1to2")
     assert sorted(a) == list(range(1, 7)) and a == b
