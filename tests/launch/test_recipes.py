@@ -2,8 +2,9 @@
 
 Recipes: the GPT-2 baseline, RETRO, RETRO from the baseline's weights (`train.init_from`),
 RETRO-fit with a frozen trunk (`configs/tiny-retrofit.yaml`), a finished run extended
-(`train.steps` raised) and a branch (`train.branch_from`). Each trains 2 steps (the extension
-and the branch one more) with real DeepSpeed on 2 CPU processes; each asserts its first loss
+(`train.steps` raised) and a branch (`train.branch_from`), these two in bf16 (fp32's have their own
+tests in tests/launch/test_training.py). Each trains 2 steps (the extension and the branch one
+more) with real DeepSpeed on 2 CPU processes; each asserts its first loss
 and that the stages' copies of the tied embedding agree. The first loss of a fresh or warm-started
 run is computed again in-process from the same weights and micro-batches; the extension's and
 the branch's must be equal, both continuing the same checkpoint.
@@ -109,6 +110,9 @@ def test_every_documented_recipe_trains_on_two_stages(recipe_workdir, precision)
         assert abs(curve[1] - expected) < tol, (name, curve[1], expected)
 
     # The baseline extended by a step, and a branch of its step-2 checkpoint: the same next step.
+    # In bf16 here; fp32's extension and branch have their own tests (tests/launch/test_training.py).
+    if precision == "fp32":
+        return
     extended = run(wd, "tiny-gpt2.yaml", precision, gpt2, "train.steps=3")
     branch = run(wd, "tiny-gpt2.yaml", precision, f"branch-{precision}", "train.steps=3",
                  f"train.branch_from={wd / 'runs' / gpt2 / 'checkpoints' / 'step000002'}")
