@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -37,6 +38,17 @@ def alive_nodes(address: str, env: dict) -> int:
     return int(out.stdout.split()[-1]) if out.returncode == 0 and out.stdout.split() else 0
 
 
+def listening(address: str, timeout: float = 60) -> None:
+    host, port = address.split(":")
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex((host, int(port))) == 0:
+                return
+        time.sleep(0.2)
+    pytest.fail(f"nothing listens at {address}")
+
+
 class TwoNodes:
     """A head and a worker node of one CPU each; `worker_env` goes to the worker's raylet (and its workers)."""
 
@@ -56,7 +68,7 @@ class TwoNodes:
                                       "--temp-dir", self.temp_dir, "--include-dashboard", "false"],
                                      env=self.env, cwd=ROOT, start_new_session=True,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(5)
+        listening(self.address)   # the worker joins the head's GCS
         self.worker = subprocess.Popen(["ray", "start", "--address", self.address, *common],
                                        env={**self.env, **(worker_env or {})}, cwd=ROOT, start_new_session=True,
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
