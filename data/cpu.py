@@ -35,7 +35,8 @@ def cpu_has_bf16() -> bool:
     """The CPU has bf16 instructions and oneDNN, which runs torch's CPU matmuls, may use them.
 
     oneDNN held below AVX512-BF16 (ONEDNN_MAX_CPU_ISA=AVX2: how one runs an AVX2-only CPU's code
-    paths on this one) emulates bf16 matmuls, 15-35× slower than fp32 (docs/benchmarks.md).
+    paths on this one) emulates bf16 matmuls, 15-35× slower than fp32; an AVX2-only EPYC's are
+    ~170× slower at 1024² (docs/benchmarks.md).
     """
     held = {os.environ.get(k, "").upper() for k in ONEDNN_ISA_VARIABLES}
     below_bf16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
