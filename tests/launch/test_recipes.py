@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 PRECISIONS = {"fp32": 1e-4, "bf16": 0.05}   # first-loss tolerance: bf16 weights round the logits
 # 4 layers, so that the frozen trunk's two CCA layers (2 and 4) give each stage one that trains;
-# micro-batches of one sequence: a CPU without bf16 instructions emulates bf16's products, 5-90×
+# micro-batches of one sequence: a CPU without bf16 instructions emulates bf16's products, 5-170×
 # slower than fp32's (docs/benchmarks.md), and the recipes' bf16 steps were most of their time there.
 COMMON = [*TINY, "data.max_documents=100", "model.n_layer=4", "train.steps=2", "train.micro_batch_size=1"]
 

@@ -88,7 +88,7 @@ class TwoNodes:
 
     def stop(self) -> None:
         if self.worker.poll() is None:
-            os.killpg(self.worker.pid, signal.SIGKILL)   # the head's stop sweeps up what it started
+            os.killpg(self.worker.pid, signal.SIGKILL)   # with the raylet it started (its process group)
             self.worker.wait()
         stop_ray_head(self.head, self.temp_dir)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
@@ -107,7 +107,7 @@ def nodes_that_worked(stage_dir: Path, kind: str) -> dict[str, int]:
 
 
 @pytest.fixture(scope="module")
-def one_node_build(tmp_path_factory):
+def in_process_build(tmp_path_factory):
     """The reference: the same configuration prepared and built in-process, without Ray (the Ray
     one-node paths have their own tests: tests/retrieval/test_retrieval_ray.py), embedding on one
     thread as each of the cluster's one-CPU actors does (docs/cluster.md: the bytes depend on it)."""
@@ -118,7 +118,7 @@ def one_node_build(tmp_path_factory):
     from retropipe.launch.config import load_config
     from retropipe.retrieval.build import build_retrieval
 
-    wd = tmp_path_factory.mktemp("one-node")
+    wd = tmp_path_factory.mktemp("in-process")
     cfg = load_config(ROOT / "configs" / "tiny.yaml", [f"workdir={wd}", *SETS])
     prepare(cfg.data, cfg.data_dir, progress=False)
     threads = torch.get_num_threads()
@@ -131,7 +131,7 @@ def one_node_build(tmp_path_factory):
     return wd
 
 
-def test_two_nodes_share_the_work_and_write_the_bytes_of_one_process(one_node_build, tmp_path):
+def test_two_nodes_share_the_work_and_write_the_bytes_of_one_process(in_process_build, tmp_path):
     cluster = TwoNodes(tmp_path / "home")
     try:
         for entry in ("prepare_data", "build_index"):
@@ -142,11 +142,11 @@ def test_two_nodes_share_the_work_and_write_the_bytes_of_one_process(one_node_bu
         cluster.stop()
     assert len(nodes_that_worked(tmp_path / "data", "tasks")) == 2         # 6 blocks of 25 documents
     assert len(nodes_that_worked(tmp_path / "retrieval", "embed_jobs")) == 2
-    assert fingerprints(tmp_path) == fingerprints(one_node_build)
+    assert fingerprints(tmp_path) == fingerprints(in_process_build)
 
 
-def test_losing_a_node_while_embedding_still_gives_the_same_database(one_node_build, tmp_path):
-    shutil.copytree(one_node_build / "data", tmp_path / "data")
+def test_losing_a_node_while_embedding_still_gives_the_same_database(in_process_build, tmp_path):
+    shutil.copytree(in_process_build / "data", tmp_path / "data")
     (tmp_path / "data" / "run.json").unlink(missing_ok=True)
     cluster = TwoNodes(tmp_path / "home", worker_env={"RETROPIPE_KILL_NODE_AFTER": "embed:2"})
     try:
@@ -157,5 +157,5 @@ def test_losing_a_node_while_embedding_still_gives_the_same_database(one_node_bu
         cluster.stop()
     worked = nodes_that_worked(tmp_path / "retrieval", "embed_jobs")
     assert len(worked) == 2, worked    # the lost node delivered some jobs before it died
-    assert fingerprints(tmp_path) == fingerprints(one_node_build)
+    assert fingerprints(tmp_path) == fingerprints(in_process_build)
     assert not [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")]

@@ -45,8 +45,8 @@ def stop_ray_head(proc: subprocess.Popen, temp_dir: str) -> None:
     try:
         proc.wait(timeout=3)
     except subprocess.TimeoutExpired:
-        # ...when nothing ever connected; after a driver, a job or a lost node it outwaited any
-        # grace (20 s of every stop): the head is the test's own, killed with its process group.
+        # ...in 2 s when nothing ever connected; after drivers or jobs it outwaited a 20 s grace at
+        # every stop. The head is the test's own: killed with its process group.
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     for pid in os.listdir("/proc"):  # anything of this head that outlived it, by its own temp dir

@@ -112,7 +112,7 @@ def thread_environment(policy: str, local_processes: int, stages: int = 1) -> di
 def peak_dtype(dtype, device: str):
     """The dtype whose matmul peak MFU is measured against: the run's, except bf16 on a CPU that
     emulates it (cpu_has_bf16 false), which counts against fp32: its arithmetic runs on the fp32
-    units, and the emulation's own 1024² products, 90× slower than fp32's on a 2-core AVX2 EPYC,
+    units, and the emulation's own 1024² products, ~170× slower than fp32's on a 2-core AVX2 EPYC,
     made a bf16 run's logged MFU 2-3 (and took 2 s to measure at every start)."""
     import torch
 
