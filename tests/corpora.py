@@ -55,6 +55,16 @@ def retrieval_cfg(**kw) -> RetrievalConfig:
     return RetrievalConfig(**{"embed_batch_size": 8, "recall_queries": 10, "train_sample": 0, **kw})
 
 
+def build_workdir(cfg) -> None:
+    """A composed config's data and retrieval database, built in-process (as `make demo`'s first
+    two stages build them, without Ray)."""
+    from retropipe.retrieval.build import build_retrieval
+
+    prepare(cfg.data, cfg.data_dir, progress=False)
+    build_retrieval(cfg.retrieval, ChunkStore(cfg.data_dir), cfg.retrieval_dir,
+                    chunks_per_seq=cfg.train.seq_len // cfg.data.chunk_len)
+
+
 def neighbours_of(root: Path) -> dict:
     return {s: np.load(root / "retrieval" / "neighbours" / f"{s}.npy", allow_pickle=False)
             for s in ("train", "validation")}

@@ -20,6 +20,7 @@ import time
 
 import pytest
 
+from tests.corpora import build_workdir
 from tests.distributed import ROOT, kill, launch_nodes, rank_pids, train, train_nodes
 from tests.launch.test_training import TINY, losses
 
@@ -37,16 +38,10 @@ def args(workdir, config: str, name: str, *overrides: str) -> list[str]:
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     """Prepared data and its retrieval database (real BERT embeddings, FAISS Flat)."""
-    from retropipe.data.prepare import prepare
-    from retropipe.data.store import ChunkStore
     from retropipe.launch.config import load_config
-    from retropipe.retrieval.build import build_retrieval
 
     wd = tmp_path_factory.mktemp("cluster")
-    cfg = load_config(ROOT / "configs" / "tiny-retro.yaml", [f"workdir={wd}", *COMMON])
-    prepare(cfg.data, cfg.data_dir, progress=False)
-    build_retrieval(cfg.retrieval, ChunkStore(cfg.data_dir), cfg.retrieval_dir,
-                    chunks_per_seq=cfg.train.seq_len // cfg.data.chunk_len)
+    build_workdir(load_config(ROOT / "configs" / "tiny-retro.yaml", [f"workdir={wd}", *COMMON]))
     return wd
 
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from retropipe.launch.config import load_config
+from tests.corpora import build_workdir
 from tests.distributed import ROOT, train
 from tests.launch.test_training import TINY, losses
 
@@ -31,15 +32,8 @@ COMMON = [*TINY, "data.max_documents=100", "model.n_layer=4", "train.steps=2", "
 @pytest.fixture(scope="module")
 def recipe_workdir(tmp_path_factory):
     """Prepared data and a retrieval database (real BERT embeddings, FAISS Flat), shared by the recipes."""
-    from retropipe.data.prepare import prepare
-    from retropipe.data.store import ChunkStore
-    from retropipe.retrieval.build import build_retrieval
-
     wd = tmp_path_factory.mktemp("recipes")
-    cfg = config(wd, "tiny-retro.yaml", "fp32")
-    prepare(cfg.data, cfg.data_dir, progress=False)
-    build_retrieval(cfg.retrieval, ChunkStore(cfg.data_dir), cfg.retrieval_dir,
-                    chunks_per_seq=cfg.train.seq_len // cfg.data.chunk_len)
+    build_workdir(config(wd, "tiny-retro.yaml", "fp32"))
     return wd
 
 

@@ -13,6 +13,7 @@ import torch
 from retropipe.data.errors import ConfigError, DataError
 from retropipe.data.prepare import prepare
 from retropipe.launch.config import load_config
+from tests.corpora import build_workdir
 from tests.distributed import PORT_TAKEN, ROOT, changed_layer_tensors, free_port, read_tensorboard, train
 
 # A model small enough that a step takes a fraction of a second on one core.
@@ -289,14 +290,8 @@ def test_misconfigurations_are_refused_before_any_work(workdir):
 @pytest.fixture(scope="module")
 def retro_workdir(tmp_path_factory):
     """A smaller corpus with its retrieval database (real BERT embeddings, FAISS Flat)."""
-    from retropipe.data.store import ChunkStore
-    from retropipe.retrieval.build import build_retrieval
-
     wd = tmp_path_factory.mktemp("retro")
-    cfg = load_config(ROOT / "configs" / "tiny-retro.yaml", [f"workdir={wd}", *TINY, "data.max_documents=100"])
-    prepare(cfg.data, cfg.data_dir, progress=False)
-    build_retrieval(cfg.retrieval, ChunkStore(cfg.data_dir), cfg.retrieval_dir,
-                    chunks_per_seq=cfg.train.seq_len // cfg.data.chunk_len)
+    build_workdir(load_config(ROOT / "configs" / "tiny-retro.yaml", [f"workdir={wd}", *TINY, "data.max_documents=100"]))
     return wd
 
 

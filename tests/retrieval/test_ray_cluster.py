@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.corpora import ROOT
+from tests.corpora import ROOT, build_workdir
 from tests.distributed import free_port
 from tests.retrieval.test_retrieval_ray import VENV_BIN, stop_ray_head
 
@@ -113,19 +113,13 @@ def in_process_build(tmp_path_factory):
     thread as each of the cluster's one-CPU actors does (docs/cluster.md: the bytes depend on it)."""
     import torch
 
-    from retropipe.data.prepare import prepare
-    from retropipe.data.store import ChunkStore
     from retropipe.launch.config import load_config
-    from retropipe.retrieval.build import build_retrieval
 
     wd = tmp_path_factory.mktemp("in-process")
-    cfg = load_config(ROOT / "configs" / "tiny.yaml", [f"workdir={wd}", *SETS])
-    prepare(cfg.data, cfg.data_dir, progress=False)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        build_retrieval(cfg.retrieval, ChunkStore(cfg.data_dir), cfg.retrieval_dir,
-                        chunks_per_seq=cfg.train.seq_len // cfg.data.chunk_len)
+        build_workdir(load_config(ROOT / "configs" / "tiny.yaml", [f"workdir={wd}", *SETS]))
     finally:
         torch.set_num_threads(threads)
     return wd
