@@ -189,8 +189,10 @@ class Trainer:
             dtype = peak_dtype(self.dtype, device)
             if share == "own":
                 mine = matmul_flops_per_s(dtype, device)
+            elif share == "host":
+                mine = host_matmul_flops_per_s(dtype)
             else:
-                mine = host_matmul_flops_per_s(dtype) if share == "host" else 0.0
+                mine = 0.0
         peak = torch.tensor(mine, device=device)
         dist.all_reduce(peak)
         return float(peak)
