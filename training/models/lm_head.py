@@ -93,7 +93,6 @@ class _FusedLMLoss(torch.autograd.Function):
         ctx.h_dtype, ctx.w_dtype = h.dtype, weight.dtype
         vocab = weight.shape[0]
         total = torch.zeros((), dtype=torch.float32, device=h.device)
-        grad_h = torch.empty_like(h) if want_h else None
         # Matmuls in h's precision (bf16 under mixed precision) or autocast's (the `out=` matmuls
         # below bypass autocast, so cast here); softmax and loss in fp32. W's gradient accumulates
         # over the slices in fp32, or, where W itself is bf16 (a bf16 model, as DeepSpeed trains
@@ -102,15 +101,25 @@ class _FusedLMLoss(torch.autograd.Function):
         mm_dtype = autocast_dtype(h.device.type) or h.dtype
         acc_dtype = weight.dtype if weight.dtype == mm_dtype else torch.float32
         slice_tokens = slice_tokens or slice_tokens_for(h.device)
-        hm, w = h.to(mm_dtype), head_matrix(weight, mm_dtype)                        # w (V + pad, d)
+        # Only the rows with a target go through the head: a padding token's logits would be
+        # computed and their gradient zeroed. 21% of the demo's training tokens are padding (each
+        # document's last chunk is filled out to chunk_len), and the head is the busiest stage.
+        has_target = labels != IGNORE_INDEX
+        rows = None if bool(has_target.all()) else has_target.nonzero().squeeze(1)              # (N',)
+        h_rows, labels = (h, labels) if rows is None else (h.index_select(0, rows), labels[rows])
+        hm, w = h_rows.to(mm_dtype), head_matrix(weight, mm_dtype)                    # (N', d), (V + pad, d)
+        grad_rows = torch.empty_like(h_rows) if want_h else None                      # (N', d)
         # Not zeroed where a first slice's product overwrites it (a pass over (V, d) less per call).
         new_grad = torch.empty_like if len(labels) else torch.zeros_like
         grad_w = new_grad(w, dtype=acc_dtype) if want_w else None
-        for start, probs, target, valid, nll in scored_slices(hm, w, vocab, labels, slice_tokens, buffers):
+        for start, probs, target, _, nll in scored_slices(hm, w, vocab, labels, slice_tokens, buffers):
             total += nll.sum()
             if want_h or want_w:
-                _slice_grads(probs, target, valid, hm[start:start + slice_tokens], w,
-                             grad_h[start:start + slice_tokens] if want_h else None, grad_w, start > 0)
+                _slice_grads(probs, target, hm[start:start + slice_tokens], w,
+                             grad_rows[start:start + slice_tokens] if want_h else None, grad_w, start > 0)
+        grad_h = grad_rows
+        if want_h and rows is not None:                                               # no target: 0
+            grad_h = torch.zeros_like(h).index_copy_(0, rows, grad_rows)
         ctx.save_for_backward(grad_h, grad_w[:vocab] if want_w else None)
         return total
 
@@ -165,32 +174,21 @@ def _target_nll(logits: torch.Tensor, probs: torch.Tensor, target: torch.Tensor)
     return nll
 
 
-def _slice_grads(probs: torch.Tensor, target: torch.Tensor, valid: torch.Tensor, hs: torch.Tensor, w: torch.Tensor,
+def _slice_grads(probs: torch.Tensor, target: torch.Tensor, hs: torch.Tensor, w: torch.Tensor,
                  grad_h: torch.Tensor | None, grad_w: torch.Tensor | None, accumulate: bool) -> None:
-    """One slice's gradients of Σ nll: into grad_h (its rows, (S, d)) and into grad_w (V, d), added
-    to what it holds with `accumulate`, written over it without.
+    """One slice's gradients of Σ nll, every row with a target: into grad_h (its rows, (S, d)) and
+    into grad_w (V, d), added to what it holds with `accumulate`, written over it without.
 
-    d(Σ nll)/d logits = softmax − one-hot on rows with a target, computed in place of probs, in
-    the matmuls' dtype. Where a gradient is kept in another dtype (fp32 h and W under autocast)
-    the products are converted; otherwise they are written and accumulated in place.
-
-    Rows without a target give no gradient. Their (S, V) rows of `grad` are left as they are;
-    instead their rows of hs (S, d) are zeroed for W's product, and their rows of h's gradient are
-    zeroed after its product: the same sums, with the zeros on the other side of each product.
-    Zeroing the (S, V) rows through a boolean mask was a pass over the whole slice: 10 ms per fp32
-    slice on a 2-core AVX2 EPYC, 7% of the demo's head stage there."""
+    d(Σ nll)/d logits = softmax − one-hot, computed in place of probs, in the matmuls' dtype. Where
+    a gradient is kept in another dtype (fp32 h and W under autocast) the products are converted;
+    otherwise they are written and accumulated in place."""
     grad = probs
     grad[torch.arange(len(target), device=probs.device), target] -= 1.0
-    no_target = None if valid.all() else ~valid
     if grad_h is not None:
         if grad_h.dtype == grad.dtype:
             torch.mm(grad, w, out=grad_h)
         else:
             grad_h[:] = grad @ w
-        if no_target is not None:
-            grad_h[no_target] = 0.0
-    if no_target is not None:
-        hs = hs.masked_fill(no_target[:, None], 0.0)                   # (S, d)
     if grad_w is not None:
         if grad_w.dtype == grad.dtype:
             grad_w.addmm_(grad.t(), hs, beta=1 if accumulate else 0)    # beta 0: grad_w's content unread
