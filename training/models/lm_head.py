@@ -8,10 +8,11 @@ vocabulary the logits dwarf everything else a small model holds: 4 × 256 × 50,
 holds more than `slice_tokens` rows of logits: for each slice of tokens it computes the logits,
 their softmax (one row-wise pass) and the loss, and, when gradients are wanted, straight away
 the gradient of the loss with respect to the slice's logits (softmax − one-hot, in place) and
-from it the gradients of h and W (W's accumulated in place), which backward only scales. The
-same FLOPs as the plain path (6·N·d·V with W trainable, 4·N·d·V without), a fraction of the
-memory traffic. `loss_fn(logits, labels)` in
-training/models/gpt2.py stays the plain path; a test checks both give the same loss and gradients.
+from it the gradients of h and W (W's accumulated in place), which backward only scales. Only
+the N' tokens with a target enter it (padding's logits would be computed for nothing): 6·N'·d·V
+FLOPs with W trainable, 4·N'·d·V without, and a fraction of the plain path's memory traffic.
+`loss_fn(logits, labels)` in training/models/gpt2.py stays the plain path; a test checks both give
+the same loss and gradients.
 """
 
 from __future__ import annotations
