@@ -46,6 +46,20 @@ def test_mfu_of_emulated_bf16_is_measured_against_the_fp32_peak(monkeypatch, ker
     assert hw.peak_dtype(torch.bfloat16, "cpu") == torch.float32
 
 
+def test_the_worlds_matmul_peak_counts_a_cpu_host_shared_by_its_ranks_once():
+    """MFU's denominator: every GPU adds its own peak; CPU ranks with shared threads run on the same
+    cores, so only local rank 0 adds one, measured on all the host's cores; split threads add their own."""
+    assert [hw.share_of_peak("cuda", "shared", r) for r in (0, 1)] == ["own", "own"]
+    assert [hw.share_of_peak("cpu", "shared", r) for r in (0, 1, 2)] == ["host", "none", "none"]
+    assert [hw.share_of_peak("cpu", "split", r) for r in (0, 1)] == ["own", "own"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert hw.host_matmul_flops_per_s(torch.float32) > 0 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_a_gpu_before_ampere_gets_fp16_not_emulated_bf16(monkeypatch):
     """torch.cuda.is_bf16_supported() says True on a V100 or T4 (emulation, far slower than fp16);
     the precision comes from this rank's own GPU's compute capability."""

@@ -49,22 +49,6 @@ def test_flops_per_token_equals_a_hand_count():
     assert mfu(1e6, 2e3, 4e9) == 0.5
 
 
-def test_the_worlds_matmul_peak_counts_a_cpu_host_shared_by_its_ranks_once():
-    """MFU's denominator: every GPU adds its own peak; CPU ranks with shared threads run on the same
-    cores, so only local rank 0 adds one, measured on all the host's cores; split threads add their own."""
-    from retropipe.training.run.hardware import host_matmul_flops_per_s, share_of_peak
-
-    assert [share_of_peak("cuda", "shared", r) for r in (0, 1)] == ["own", "own"]
-    assert [share_of_peak("cpu", "shared", r) for r in (0, 1, 2)] == ["host", "none", "none"]
-    assert [share_of_peak("cpu", "split", r) for r in (0, 1)] == ["own", "own"]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert host_matmul_flops_per_s(torch.float32) > 0 and torch.get_num_threads() == 1
-    finally:
-        torch.set_num_threads(threads)
-
-
 def test_flops_of_retro_count_its_retrieval_parameters():
     gpt2, retro = (flops_per_token(ModelConfig(kind=k, n_layer=4, **SHAPE), 64) for k in ("gpt2", "retro"))
     assert retro > gpt2
