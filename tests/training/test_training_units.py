@@ -12,7 +12,7 @@ import torch
 
 from retropipe.training.models.build import build_model, layer_list
 from retropipe.training.models.config import ModelConfig
-from retropipe.training.models.flops import flops_per_token, mfu
+from retropipe.training.models.flops import flops_per_token, mfu, step_flops_per_token
 from retropipe.training.models.layers import seeded
 from retropipe.training.run.rng import rng_state, set_rng_state
 
@@ -47,6 +47,10 @@ def test_flops_per_token_equals_a_hand_count():
     # GPT-2 small, nanoGPT's figure: 6 · 123,653,376 + 12 · 12 · 768 · 1024.
     assert flops_per_token(ModelConfig.preset("gpt2-124m"), 1024) == 855_166_464
     assert mfu(1e6, 2e3, 4e9) == 0.5
+    # A batch of which a quarter has no target: the fused head does 6·V·d less for each such token.
+    full = flops_per_token(cfg, t)
+    assert step_flops_per_token(full, cfg, 0.75, fused_head=True) == full - 0.25 * 6 * vocab * d
+    assert step_flops_per_token(full, cfg, 0.75, fused_head=False) == full == step_flops_per_token(full, cfg, 1.0, True)
 
 
 def test_flops_of_retro_count_its_retrieval_parameters():

@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from retropipe.data.errors import TrainingError
 from retropipe.data.stage import fault_point
-from retropipe.training.models.flops import flops_per_token, mfu
+from retropipe.training.models.flops import flops_per_token, mfu, step_flops_per_token
+from retropipe.training.models.lm_head import IGNORE_INDEX
 from retropipe.training.run.batches import SequenceBatches, micro_batches
 from retropipe.training.run.hardware import (host_matmul_flops_per_s, matmul_flops_per_s, peak_dtype, peak_memory_mb,
                                              share_of_peak)
@@ -80,6 +81,7 @@ class Trainer:
         self.val_data = SequenceBatches(store, "validation", self.t.seq_len, nbrs, k)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.tokens_per_step = self.t.seq_len * self.t.micro_batch_size * self.t.micro_batches * pipe.dp_world
+        self.targets_read = 0
 
     # -- checkpoints --
     def resume(self) -> int:
@@ -129,11 +131,14 @@ class Trainer:
         bytes_per_token = self.store.split_bytes("validation") / max(self.store.manifest["splits"]["validation"]["tokens"], 1)
         losses, val = {}, None
         for step in range(start + 1, self.t.steps + 1):
-            t0 = time.perf_counter()
+            t0, targets_before = time.perf_counter(), self.targets_read
             loss = losses[step] = self.pipe.train_batch(batches)
             tokens_per_s = self.tokens_per_step / (time.perf_counter() - t0)
+            # This rank's micro-batches stand for the world's (rank 0, which logs, reads data).
+            share = (self.targets_read - targets_before) / (self.tokens_per_step / self.pipe.dp_world)
+            step_fpt = step_flops_per_token(fpt, self.cfg.model, share, self.t.fused_head)
             record = {"step": step, "loss": loss, "lr": self.pipe.lr(), "grad_norm": self.pipe.grad_norm(),
-                      "tokens_per_s": tokens_per_s, "mfu": mfu(fpt, tokens_per_s, peak)}
+                      "tokens_per_s": tokens_per_s, "mfu": mfu(step_fpt, tokens_per_s, peak)}
             if (self.t.eval_every and step % self.t.eval_every == 0) or step == self.t.steps:
                 val = self.validate()
                 if val is not None:
@@ -173,7 +178,12 @@ class Trainer:
             return None
         batches = micro_batches(self.train_data, start * self.t.micro_batches, self.t.micro_batch_size,
                                 self.pipe.dp_rank, self.pipe.dp_world, self.t.seed)
-        return (_to_pipe(b, self.retro) for b in batches)
+        return (self._count_targets(_to_pipe(b, self.retro)) for b in batches)
+
+    def _count_targets(self, micro_batch):
+        """Counts the tokens with a target that this rank reads (`targets_read`), for MFU."""
+        self.targets_read += int((micro_batch[1] != IGNORE_INDEX).sum())
+        return micro_batch
 
     def _device(self) -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"
