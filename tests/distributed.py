@@ -1,5 +1,5 @@
 """Run launch/train.py on N local CPU processes over gloo, as the `deepspeed` launcher would, and
-read back what a run wrote to TensorBoard.
+read back what a run wrote: TensorBoard's records, the MFU of metrics.jsonl.
 
 Spawning the ranks directly (MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK) skips the
 launcher's own start-up (~10 s); one test still goes through the real `deepspeed` CLI.
@@ -161,3 +161,32 @@ def rank_pids(marker: str) -> dict[int, int]:
             if rank is not None and b"-m\0deepspeed" not in cmd:
                 found[rank] = int(pid)
     return found
+
+
+def assert_mfu_counts_the_heads_work_on_targets_only(run_dir: Path) -> None:
+    """The fused head skips tokens without a target, so a step's MFU counts the head's FLOPs for
+    that step's tokens with a target only: the peak each step's record implies
+    (FLOPs per token of the step × tokens/s ÷ MFU) is the same in every step, while the steps'
+    shares of such tokens differ."""
+    import json
+
+    import numpy as np
+
+    from retropipe.data.store import ChunkStore
+    from retropipe.launch.config import load_config
+    from retropipe.training.models.flops import flops_per_token, step_flops_per_token
+    from retropipe.training.run.batches import SequenceBatches, micro_batches
+
+    cfg = load_config(run_dir / "config.yaml")
+    t = cfg.train
+    batches = micro_batches(SequenceBatches(ChunkStore(cfg.data_dir), "train", t.seq_len), 0, t.micro_batch_size,
+                            0, 1, t.seed)
+    records = sorted(map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()), key=lambda r: r["step"])
+    shares, implied = [], []
+    for r in records:
+        labels = np.concatenate([next(batches)["labels"] for _ in range(t.micro_batches)])
+        shares.append(float((labels != -100).mean()))
+        fpt = step_flops_per_token(flops_per_token(cfg.model, t.seq_len), cfg.model, shares[-1], t.fused_head)
+        implied.append(fpt * r["tokens_per_s"] / r["mfu"])
+    assert max(shares) - min(shares) > 0.01, shares
+    assert max(implied) / min(implied) < 1 + 1e-9, implied

@@ -14,7 +14,8 @@ from retropipe.data.errors import ConfigError, DataError
 from retropipe.data.prepare import prepare
 from retropipe.launch.config import load_config
 from tests.corpora import build_workdir
-from tests.distributed import PORT_TAKEN, ROOT, changed_layer_tensors, free_port, read_tensorboard, train
+from tests.distributed import (PORT_TAKEN, ROOT, assert_mfu_counts_the_heads_work_on_targets_only,
+                               changed_layer_tensors, free_port, read_tensorboard, train)
 
 # A model small enough that a step takes a fraction of a second on one core.
 TINY = ["data.chunk_len=16", "data.max_documents=300", "data.validation_fraction=0.1", "train.seq_len=64",
@@ -90,32 +91,6 @@ def test_baseline_trains_on_two_pipeline_stages(reference_run):
     assert [step for step, _ in scalars["loss"]] == list(range(1, 9))
     ds_json = json.loads((run_dir / "deepspeed_config.json").read_text())  # what DeepSpeed was given
     assert ds_json["zero_optimization"] == {"stage": 1} and ds_json["train_micro_batch_size_per_gpu"] == 2
-
-
-def assert_mfu_counts_the_heads_work_on_targets_only(run_dir: Path) -> None:
-    """The fused head skips tokens without a target, so a step's MFU counts the head's FLOPs for
-    that step's tokens with a target only: the peak each step's record implies
-    (FLOPs per token of the step × tokens/s ÷ MFU) is the same in every step, while the steps'
-    shares of such tokens differ."""
-    import numpy as np
-
-    from retropipe.data.store import ChunkStore
-    from retropipe.training.models.flops import flops_per_token, step_flops_per_token
-    from retropipe.training.run.batches import SequenceBatches, micro_batches
-
-    cfg = load_config(run_dir / "config.yaml")
-    t = cfg.train
-    batches = micro_batches(SequenceBatches(ChunkStore(cfg.data_dir), "train", t.seq_len), 0, t.micro_batch_size,
-                            0, 1, t.seed)
-    records = sorted(map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()), key=lambda r: r["step"])
-    shares, implied = [], []
-    for r in records:
-        labels = np.concatenate([next(batches)["labels"] for _ in range(t.micro_batches)])
-        shares.append(float((labels != -100).mean()))
-        fpt = step_flops_per_token(flops_per_token(cfg.model, t.seq_len), cfg.model, shares[-1], t.fused_head)
-        implied.append(fpt * r["tokens_per_s"] / r["mfu"])
-    assert max(shares) - min(shares) > 0.01, shares
-    assert max(implied) / min(implied) < 1 + 1e-9, implied
 
 
 @pytest.mark.slow
