@@ -32,8 +32,9 @@ def built(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_thread():
-    """Batch-one sampling from tiny models gains nothing from intra-op threads, and on a shared
-    2-core machine their spin-waiting turned a 0.1 s generation into ~9 s."""
+    """torch on one intra-op thread for a module. Batch-one sampling from tiny models gains nothing
+    from more, and on a shared 2-core machine their spin-waiting turned a 0.1 s generation into
+    ~9 s; an in-process reference build embeds on one thread as a one-CPU Ray actor does."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -107,21 +107,14 @@ def nodes_that_worked(stage_dir: Path, kind: str) -> dict[str, int]:
 
 
 @pytest.fixture(scope="module")
-def in_process_build(tmp_path_factory):
+def in_process_build(tmp_path_factory, one_thread):
     """The reference: the same configuration prepared and built in-process, without Ray (the Ray
     one-node paths have their own tests: tests/retrieval/test_retrieval_ray.py), embedding on one
     thread as each of the cluster's one-CPU actors does (docs/cluster.md: the bytes depend on it)."""
-    import torch
-
     from retropipe.launch.config import load_config
 
     wd = tmp_path_factory.mktemp("in-process")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        build_workdir(load_config(ROOT / "configs" / "tiny.yaml", [f"workdir={wd}", *SETS]))
-    finally:
-        torch.set_num_threads(threads)
+    build_workdir(load_config(ROOT / "configs" / "tiny.yaml", [f"workdir={wd}", *SETS]))
     return wd
 
 
