@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         save_config(cfg, cfg.retrieval_dir)
         work = record_work(cfg.retrieval_dir, tasks=executor.placements, embed_jobs=runner.placements)
     except (ConfigError, DataError, TokenizerError, RetrievalError, ClusterError) as e:
+        if executor is not None:  # first: the last lines Ray forwards from its workers come before ours
+            executor.close()
         print(f"build_index: error: {e}", file=sys.stderr)
         return 2
     finally:

@@ -48,14 +48,19 @@ def check_inputs(cfg: RetrievalConfig, store: ChunkStore, dim: int | None = None
 
 
 def _expected_dim(cfg: RetrievalConfig, emb_dir: Path) -> int:
-    """The embedding width, before embedding: so a bad retrieval.index fails in seconds, not hours."""
+    """The embedding width, before embedding: so a bad retrieval.index fails in seconds, not hours.
+    Read from the model's files where they say it (the driver then never loads the model: the
+    embedding actors do); loaded and asked otherwise. The width the embeddings come out with is
+    checked again before the index is built (`build_retrieval`)."""
     from retropipe.data.stage import read_json
     from retropipe.retrieval.embed import cached_embedder, embedding_dim
+    from retropipe.retrieval.embedder import embedding_dim_from_files
 
     manifest = read_json(emb_dir / "manifest.json")
     if manifest is not None and manifest.get("dim"):
         return int(manifest["dim"])
-    return embedding_dim(cached_embedder(str(resolve_model_path(cfg.embedder))))
+    path = resolve_model_path(cfg.embedder)
+    return embedding_dim_from_files(path) or embedding_dim(cached_embedder(str(path)))
 
 
 def _bar(desc: str, total: int, enabled: bool):
@@ -84,7 +89,8 @@ def build_retrieval(cfg: RetrievalConfig, store: ChunkStore, out_dir: str | Path
                     executor: Executor = serial_executor, workers: int = 2, progress: bool = False) -> dict:
     """Build (or finish, or skip) every stage into out_dir; return {stage: manifest}."""
     out = Path(out_dir)
-    check_inputs(cfg, store, _expected_dim(cfg, out / "embeddings"))  # before anything is written
+    expected_dim = _expected_dim(cfg, out / "embeddings")
+    check_inputs(cfg, store, expected_dim)  # before anything is written
     out.mkdir(parents=True, exist_ok=True)
     parts = prepare_corpora(cfg.corpora, data_cfg or DataConfig(), store, out, executor, progress)
     check_inputs(cfg, store, database_chunks=sum(len(p.store.split("train")) for p in parts))
@@ -97,6 +103,8 @@ def build_retrieval(cfg: RetrievalConfig, store: ChunkStore, out_dir: str | Path
         embedded = embed_stores([(p.store, p.embeddings_dir) for p in parts], cfg.embedder, cfg.embed_batch_size,
                                 embed_runner, progress=update, precision=precision)
     emb_manifest = embedded[0]
+    if emb_manifest["dim"] and emb_manifest["dim"] != expected_dim:  # the model's files said another width than it has
+        check_inputs(cfg, store, emb_manifest["dim"])
     query_emb = Embeddings(parts[0].embeddings_dir, emb_manifest)
     offsets, vectors_parts = 0, []
     for part, manifest in zip(parts, embedded):

@@ -21,6 +21,7 @@ from typing import Iterator
 import numpy as np
 
 from retropipe.data.chunking import SPLITS
+from retropipe.data.errors import RetrievalError
 from retropipe.retrieval.embed import EmbedJob, EmbedSpec
 
 KILL_NODE_ENV = "RETROPIPE_KILL_NODE_AFTER"
@@ -85,6 +86,19 @@ def node_cpus(ray) -> list[int]:
     return [int(n["Resources"].get("CPU", 0)) for n in ray.nodes() if n.get("Alive")]
 
 
+def init_refusal(error: Exception) -> str | None:
+    """The message of the RetrievalError an actor's constructor raised (the model it was given
+    cannot be loaded there, say), or None when the actor died of something else.
+
+    Ray hands the driver an ActorDiedError whose message holds the constructor's traceback, not
+    the RetrievalError itself; its last line is that error's own."""
+    if not getattr(error, "actor_init_failed", False):
+        return None
+    marker = f"{RetrievalError.__module__}.{RetrievalError.__name__}: "
+    lines = [line.split(marker, 1)[1] for line in str(error).splitlines() if marker in line]
+    return lines[-1].strip() if lines else None
+
+
 class RayEmbedRunner:
     """An `EmbedRunner` on Ray Data: `actors` EmbedChunks actors, CPU threads split between them.
 
@@ -141,6 +155,9 @@ class RayEmbedRunner:
                     yield job, vectors
                 return
             except (RayActorError, WorkerCrashedError, NodeDiedError) as e:
+                refused = init_refusal(e)
+                if refused is not None:  # the configured model or data, not the worker: a retry fails alike
+                    raise RetrievalError(refused) from None
                 pending = [j for j in pending if (j.part, j.split, j.start) not in delivered]
                 if attempt == self.max_retries:
                     raise

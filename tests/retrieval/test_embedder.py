@@ -192,3 +192,45 @@ def test_bf16_embeddings_keep_the_neighbours(tmp_path):
             return np.where(ids >= 0, (exact[split] * exact["train"][np.maximum(ids, 0)]).sum(1), -1)
         as_near = (similarity("bf16") >= similarity("fp32") - 2e-3).mean()
         assert as_near >= 0.98, (split, as_near)
+
+
+def test_the_width_is_read_from_the_model_files_as_the_loaded_model_reports_it(tmp_path):
+    """A database build learns the embedding width from the model's files (its driver then never
+    loads the model); where the files do not say it plainly the caller loads the model instead."""
+    import json
+
+    from sentence_transformers import SentenceTransformer
+    try:
+        from sentence_transformers.sentence_transformer import modules as models
+    except ImportError:  # sentence-transformers < 6
+        from sentence_transformers import models
+
+    from retropipe.retrieval.embed import embedding_dim
+    from retropipe.retrieval.embedder import embedding_dim_from_files
+
+    bundled = resolve_model_path("")
+    assert embedding_dim_from_files(bundled) == embedding_dim(cached_embedder(str(bundled))) == 384
+    # Two pooling modes side by side, a Dense layer, normalised: what sentence-transformers saves.
+    stacked = tmp_path / "stacked"
+    SentenceTransformer(modules=[models.Transformer(str(bundled)), models.Pooling(384, pooling_mode=("mean", "max")),
+                                 models.Dense(768, 48), models.Normalize()], device="cpu").save(str(stacked))
+    assert embedding_dim_from_files(stacked) == embedding_dim(SentenceTransformer(str(stacked), device="cpu")) == 48
+    # Not said plainly: a truncation, a module it does not know, no modules.json (a bare transformers model).
+    for name, change in (("truncated", lambda p: (p / "config_sentence_transformers.json").write_text(
+                             json.dumps({"truncate_dim": 16}))),
+                         ("unknown", lambda p: (p / "modules.json").write_text(json.dumps(
+                             json.loads((p / "modules.json").read_text()) + [{"path": "", "type": "x.LayerNorm"}]))),
+                         ("bare", lambda p: (p / "modules.json").unlink())):
+        copy = tmp_path / name
+        shutil.copytree(stacked, copy)
+        change(copy)
+        assert embedding_dim_from_files(copy) is None, name
+
+
+def test_a_database_build_checks_its_index_without_loading_the_model(tmp_path):
+    code = ("import sys; from pathlib import Path; from retropipe.retrieval.build import _expected_dim; "
+            "from retropipe.retrieval.config import RetrievalConfig; "
+            "print(_expected_dim(RetrievalConfig(), Path(sys.argv[1])), 'sentence_transformers' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "embeddings")], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.split() == ["384", "False"], proc.stdout + proc.stderr[-2000:]

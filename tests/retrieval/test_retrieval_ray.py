@@ -210,6 +210,27 @@ def test_prepare_data_joins_a_cluster_by_address(tmp_path, ray_head):
     assert "export RAY_AUTH_MODE=token" in last and not (tmp_path / "refused" / "data" / "manifest.json").exists()
 
 
+def test_a_model_the_actors_cannot_load_is_one_line_naming_the_key(built, tmp_path, ray_head):
+    """The driver reads the model's width from its files and never loads it; the embedding actors
+    do. A model they cannot load (its weights cut short) ends the build with the actors' own error,
+    naming the key, at once: not the retries meant for a worker that died."""
+    from retropipe.retrieval.embedder import resolve_model_path
+
+    gcs, _, env = ray_head
+    shutil.copytree(built[0] / "data", tmp_path / "data")
+    model = tmp_path / "model"
+    shutil.copytree(resolve_model_path(""), model)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100_000])
+    sets = [a for s in [f"workdir={tmp_path}", *JOB_SETTINGS, f"retrieval.embedder={model}"] for a in ("--set", s)]
+    done = subprocess.run(["python", "launch/build_index.py", "--config", "configs/tiny.yaml", "--no-progress",
+                           "--address", gcs, *sets], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2 and last.startswith("build_index: error: config key 'retrieval.embedder': cannot load "
+                                                   f"{model}"), done.stdout[-2000:] + done.stderr[-3000:]
+    assert "retrying" not in done.stdout and not (tmp_path / "retrieval" / "embeddings" / "manifest.json").exists()
+
+
 def test_an_address_where_no_cluster_listens_fails_at_once(tmp_path):
     """ray.init would retry an unreachable GCS for minutes; the entry point says so in one line."""
     cmd = [PY, "launch/prepare_data.py", "--config", "configs/tiny.yaml", "--no-progress",
