@@ -188,9 +188,11 @@ def embedding_dim_from_files(path: Path) -> int | None:
 
     Loading the model only to learn its width costs a process 9 s on 2 cores (importing
     sentence-transformers is 6.5 s of it), before a database build can start. Understood: a
-    Transformer (its config.json's hidden_size), then a Pooling, Dense layers and Normalize
-    (modules.json); anything else (another module, a truncation, an unknown key) is None, and the
-    caller loads the model and asks it."""
+    Transformer, then a Pooling, Dense layers and Normalize (modules.json); anything else (another
+    module, no Pooling, a truncation, an unknown key) is None, and the caller loads the model and
+    asks it. The Transformer's width is its config.json's hidden_size only where a Pooling of that
+    width follows: a Transformer may put out another (a projection), and a Pooling's config says
+    what it reads."""
     import json
 
     def read(p: Path) -> dict:
@@ -200,21 +202,22 @@ def embedding_dim_from_files(path: Path) -> int | None:
         modules, settings = read(path / "modules.json"), path / "config_sentence_transformers.json"
         if settings.exists() and read(settings).get("truncate_dim") is not None:
             return None
-        dim = None
+        dim, pooled = None, False
         for module in modules:
             kind, config = module["type"].rsplit(".", 1)[-1], path / module.get("path", "")
             if kind == "Transformer" and dim is None:
                 dim = int(read(config / "config.json")["hidden_size"])
             elif kind == "Pooling" and dim is not None:
                 pooling = read(config / "config.json")
-                width = pooling.get("word_embedding_dimension", pooling.get("embedding_dimension"))
+                widths = {pooling[key] for key in ("embedding_dimension", "word_embedding_dimension") if key in pooling}
                 modes = pooling.get("pooling_mode")
                 count = (len(modes) if isinstance(modes, list) else 1) if modes is not None else \
                     sum(bool(pooling.get(flag)) for flag in LEGACY_POOLING_FLAGS)
-                if width != dim or not count or set(pooling) - {"pooling_mode", "include_prompt", "embedding_dimension",
-                                                                "word_embedding_dimension", *LEGACY_POOLING_FLAGS}:
+                if pooled or widths != {dim} or not count or set(pooling) - {
+                        "pooling_mode", "include_prompt", "embedding_dimension", "word_embedding_dimension",
+                        *LEGACY_POOLING_FLAGS}:
                     return None
-                dim = count * dim
+                dim, pooled = count * dim, True
             elif kind == "Dense" and dim is not None:
                 dense = read(config / "config.json")
                 if int(dense["in_features"]) != dim:
@@ -222,6 +225,6 @@ def embedding_dim_from_files(path: Path) -> int | None:
                 dim = int(dense["out_features"])
             elif kind != "Normalize" or dim is None:
                 return None
-        return dim
+        return dim if pooled else None
     except (OSError, ValueError, KeyError, TypeError, AttributeError):  # missing or malformed: ask the model
         return None

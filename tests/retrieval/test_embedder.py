@@ -200,10 +200,12 @@ def test_the_width_is_read_from_the_model_files_as_the_loaded_model_reports_it(t
     import json
 
     from sentence_transformers import SentenceTransformer
-    try:
+    try:  # sentence-transformers >= 6
         from sentence_transformers.sentence_transformer import modules as models
-    except ImportError:  # sentence-transformers < 6
+        two_modes = {"pooling_mode": ("mean", "max")}
+    except ImportError:
         from sentence_transformers import models
+        two_modes = {"pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": True}
 
     from retropipe.retrieval.embed import embedding_dim
     from retropipe.retrieval.embedder import embedding_dim_from_files
@@ -212,12 +214,24 @@ def test_the_width_is_read_from_the_model_files_as_the_loaded_model_reports_it(t
     assert embedding_dim_from_files(bundled) == embedding_dim(cached_embedder(str(bundled))) == 384
     # Two pooling modes side by side, a Dense layer, normalised: what sentence-transformers saves.
     stacked = tmp_path / "stacked"
-    SentenceTransformer(modules=[models.Transformer(str(bundled)), models.Pooling(384, pooling_mode=("mean", "max")),
+    SentenceTransformer(modules=[models.Transformer(str(bundled)), models.Pooling(384, **two_modes),
                                  models.Dense(768, 48), models.Normalize()], device="cpu").save(str(stacked))
     assert embedding_dim_from_files(stacked) == embedding_dim(SentenceTransformer(str(stacked), device="cpu")) == 48
-    # Not said plainly: a truncation, a module it does not know, no modules.json (a bare transformers model).
+    # The same pooling in the older config format, one flag per mode.
+    legacy = tmp_path / "legacy"
+    shutil.copytree(stacked, legacy)
+    pooling = next(legacy / m["path"] / "config.json" for m in json.loads((legacy / "modules.json").read_text())
+                   if m["type"].endswith("Pooling"))
+    pooling.write_text(json.dumps({"word_embedding_dimension": 384, "pooling_mode_cls_token": False,
+                                   "pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": True}))
+    assert embedding_dim_from_files(legacy) == embedding_dim(SentenceTransformer(str(legacy), device="cpu")) == 48
+    # Not said plainly: a truncation, a module it does not know, no Pooling after the Transformer, no
+    # modules.json (a bare transformers model).
     for name, change in (("truncated", lambda p: (p / "config_sentence_transformers.json").write_text(
                              json.dumps({"truncate_dim": 16}))),
+                         ("unpooled", lambda p: (p / "modules.json").write_text(json.dumps(
+                             [m for m in json.loads((p / "modules.json").read_text())
+                              if m["type"].rsplit(".", 1)[-1] in ("Transformer", "Normalize")]))),
                          ("unknown", lambda p: (p / "modules.json").write_text(json.dumps(
                              json.loads((p / "modules.json").read_text()) + [{"path": "", "type": "x.LayerNorm"}]))),
                          ("bare", lambda p: (p / "modules.json").unlink())):
