@@ -1,7 +1,7 @@
 """Benchmark chunk embedding: in-process `embed` vs the Ray Data runner with 1 and 2 actors, and MFU.
 
     python bench/embed.py [--chunks 1000] [--corpus ../shared/corpora/techdocs.jsonl.gz] [--actors 1,2]
-                          [--precisions fp32,auto]
+                          [--precisions fp32,auto] [--backends auto,sentence-transformers]
 
 Prints, measured side by side in one run: chunks/s of the bundled all-MiniLM-L6-v2 on the
 first N training chunks of a freshly prepared corpus, (a) in this process with all cores
@@ -11,7 +11,10 @@ speed over fp32's and how many of each chunk's top-2 neighbour ids among these c
 itself excluded) stay those of fp32; and (b) through `retrieval.ray_embed.RayEmbedRunner` with
 1 and 2 actors, in the last precision; and each one's model FLOP utilisation: model FLOPs per
 chunk × chunks/s over the matmul FLOP/s of its dtype measured in the same run. Goal on CPU:
-≥ 0.6 of that peak; on a GPU the figure to record is chunks/s.
+≥ 0.6 of that peak; on a GPU the figure to record is chunks/s. `--backends`: the model computed
+as builds compute it (auto: retrieval/bert.py's plain-torch BERT) and through sentence-transformers,
+in-process in the first precision and through Ray (the actors' start-up, which imports the
+library, counts end to end): the ratio of their chunks/s and whether their vectors are the same.
 
 Model FLOPs of a BERT encoder on a sequence padded to T WordPiece tokens (the tokens really
 fed: [CLS], [SEP] and the padding to the longest text of its sub-batch included):
@@ -78,19 +81,22 @@ def first_jobs(store: ChunkStore, n: int, batch_size: int) -> list[EmbedJob]:
 def flops_per_chunk(model, texts_per_job: list[list[str]]) -> tuple[float, float, float]:
     """(model FLOPs per chunk, mean padded WordPiece length, mean real length) for these jobs,
     sub-batched exactly as `embed` does: sorted by tokens, SUB_BATCH texts per forward."""
-    bert = model[0].auto_model
-    cfg = bert.config
-    p_enc = sum(p.numel() for p in bert.encoder.parameters())
-    p_pool = sum(p.numel() for p in bert.pooler.parameters()) if getattr(bert, "pooler", None) else 0
-    preprocess = getattr(model, "preprocess", None) or model.tokenize
+    if hasattr(model, "token_ids"):               # retrieval/bert.PlainBert: no pooler is computed
+        encoder, pooler, layers, width = model.encoder, None, len(model.encoder["layer"]), model.dim
+    else:                                         # a SentenceTransformer: transformers computes the pooler
+        bert = model[0].auto_model
+        encoder, pooler = bert.encoder, getattr(bert, "pooler", None)
+        layers, width = bert.config.num_hidden_layers, bert.config.hidden_size
+    p_enc = sum(p.numel() for p in encoder.parameters())
+    p_pool = sum(p.numel() for p in pooler.parameters()) if pooler is not None else 0
     flops, padded, real, count = 0.0, 0, 0, 0
     for texts in texts_per_job:
-        order = np.argsort(token_lengths(model, texts), kind="stable")
+        lengths = np.sort(np.array(token_lengths(model, texts)), kind="stable")
         for start in range(0, len(texts), SUB_BATCH):
-            mask = preprocess([texts[i] for i in order[start:start + SUB_BATCH]])["attention_mask"]
-            b, t = mask.shape
-            flops += b * (2 * p_enc * t + 4 * cfg.num_hidden_layers * t * t * cfg.hidden_size + 2 * p_pool)
-            padded, real, count = padded + b * t, real + int(mask.sum()), count + b
+            group = lengths[start:start + SUB_BATCH]
+            b, t = len(group), int(group.max())
+            flops += b * (2 * p_enc * t + 4 * layers * t * t * width + 2 * p_pool)
+            padded, real, count = padded + b * t, real + int(group.sum()), count + b
     return flops / count, padded / count, real / count
 
 
@@ -170,6 +176,10 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--precisions", default="fp32,auto",
                         help="retrieval.embed_precision values measured in-process; the last one also through Ray")
+    parser.add_argument("--backends", default="auto,sentence-transformers",
+                        help="how the model is computed (embedder.load_embedder): auto (the plain-torch BERT for "
+                             "the bundled model) in every precision; sentence-transformers in the first precision "
+                             "in-process and in the Ray one through Ray, compared with auto")
     args = parser.parse_args(argv)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     cores = os.cpu_count() or 1
@@ -188,19 +198,26 @@ def main(argv=None) -> int:
         texts_per_job = [chunk_texts(train.tokens(np.arange(j.start, j.stop)), train.lengths[j.start:j.stop],
                                      encoding, store.eot_id) for j in jobs]
         model_path = resolve_model_path("")
-        models = {p: load_embedder(model_path, device=device, precision=p) for p in precisions}
-        fpc, padded_len, real_len = flops_per_chunk(models[precisions[0]], texts_per_job)
+        backends = [b for b in args.backends.split(",") if b]
+        # label → (precision, backend, model); "fp32" is the product's path, "fp32 sentence-transformers" the other
+        models = {p: (p, "auto", load_embedder(model_path, device=device, precision=p)) for p in precisions}
+        other = [b for b in backends if b != "auto"]
+        for backend in other:
+            models[f"{precisions[0]} {backend}"] = (precisions[0], backend, load_embedder(
+                model_path, device=device, precision=precisions[0], backend=backend))
+        fpc, padded_len, real_len = flops_per_chunk(models[precisions[0]][2], texts_per_job)
         name = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {cores} cores"
         print(f"device: {name}; load average {os.getloadavg()[0]:.2f}; torch {torch.__version__}")
         print(f"corpus {args.corpus}: first {n:,} training chunks, in {len(jobs)} jobs of {args.batch_size} "
               f"and sub-batches of {SUB_BATCH}")
         print(f"WordPiece tokens per chunk: {real_len:.1f} real, {padded_len:.1f} fed (padded); "
               f"model FLOPs per chunk {fpc / 1e9:.3f} GFLOP")
-        for model in models.values():
+        for _, _, model in models.values():
             run_inprocess(model, texts_per_job[:2])  # warm-up: first calls allocate and pick kernels
 
         ray_precision = precisions[-1]
-        spec = EmbedSpec((str(data_dir.resolve()),), str(model_path), store.manifest["tokenizer"], precision=ray_precision)
+        specs = {b: EmbedSpec((str(data_dir.resolve()),), str(model_path), store.manifest["tokenizer"],
+                              precision=ray_precision, backend=b) for b in ["auto", *other]}
         executor = RayExecutor(num_cpus=cores)
         peaks, rates, vectors = {}, {}, {}
         size, reps = (8192, 20) if device == "cuda" else (2048, 5)
@@ -212,19 +229,21 @@ def main(argv=None) -> int:
             for _ in range(args.rounds):
                 # Interleaved, the peak re-measured beside every variant and the best kept: the
                 # machine is shared, and a neighbour must slow numerator and denominator alike.
-                for precision, model in models.items():
+                for label, (precision, _, model) in models.items():
                     measure_peak(precision)
-                    seconds, vectors[precision] = run_inprocess(model, texts_per_job)
-                    rates.setdefault(f"in-process {precision}", []).append(n / seconds)
-                    print(f"  measured in-process {precision}: {n / seconds:.1f} chunks/s", flush=True)
+                    seconds, vectors[label] = run_inprocess(model, texts_per_job)
+                    rates.setdefault(f"in-process {label}", []).append(n / seconds)
+                    print(f"  measured in-process {label}: {n / seconds:.1f} chunks/s", flush=True)
                 for actors in actor_counts:
-                    measure_peak(ray_precision)
-                    runner = RayEmbedRunner(executor, actors, args.device, udf=TimedEmbedChunks)
-                    e2e, steady = run_ray(runner, spec, jobs)
-                    rates.setdefault(f"ray e2e {actors}", []).append(e2e)
-                    rates.setdefault(f"ray {actors}", []).append(steady)
-                    print(f"  measured Ray {actors} actor(s), {ray_precision}: {steady:.1f} chunks/s steady, "
-                          f"{e2e:.1f} end to end", flush=True)
+                    for backend, spec in specs.items():
+                        measure_peak(ray_precision)
+                        runner = RayEmbedRunner(executor, actors, args.device, udf=TimedEmbedChunks)
+                        e2e, steady = run_ray(runner, spec, jobs)
+                        tag = "" if backend == "auto" else f" {backend}"
+                        rates.setdefault(f"ray e2e {actors}{tag}", []).append(e2e)
+                        rates.setdefault(f"ray {actors}{tag}", []).append(steady)
+                        print(f"  measured Ray {actors} actor(s), {ray_precision}{tag}: {steady:.1f} chunks/s steady, "
+                              f"{e2e:.1f} end to end", flush=True)
             for precision in peaks:
                 measure_peak(precision)
         finally:
@@ -233,14 +252,15 @@ def main(argv=None) -> int:
     best = {key: float(np.nanmax(values)) for key, values in rates.items()}
     print("matmul " + ", ".join(f"{p} {size}²: {peak / 1e9:,.1f} GFLOP/s" for p, peak in peaks.items())
           + f" (best in this run); load average at the end {os.getloadavg()[0]:.2f} on {cores} cores")
-    print(f"\n{'variant':<36} {'chunks/s':>9} {'GFLOP/s':>8} {'of peak':>8}")
-    variants = [(f"in-process embed, all cores, {p}", f"in-process {p}", p) for p in precisions]
+    print(f"\n{'variant':<58} {'chunks/s':>9} {'GFLOP/s':>8} {'of peak':>8}")
+    variants = [(f"in-process embed, all cores, {label}", f"in-process {label}", p) for label, (p, _, _) in models.items()]
     for a in actor_counts:
-        variants += [(f"Ray Data, {a} actor(s), {ray_precision}, steady", f"ray {a}", ray_precision),
-                     (f"Ray Data, {a} actor(s), {ray_precision}, e2e", f"ray e2e {a}", ray_precision)]
+        for tag in ["", *(f" {b}" for b in other)]:
+            variants += [(f"Ray Data, {a} actor(s), {ray_precision}{tag}, steady", f"ray {a}{tag}", ray_precision),
+                         (f"Ray Data, {a} actor(s), {ray_precision}{tag}, e2e", f"ray e2e {a}{tag}", ray_precision)]
     for label, key, precision in variants:
         rate = best[key]
-        print(f"{label:<36} {rate:>9.1f} {rate * fpc / 1e9:>8.1f} {rate * fpc / peaks[precision]:>8.1%}")
+        print(f"{label:<58} {rate:>9.1f} {rate * fpc / 1e9:>8.1f} {rate * fpc / peaks[precision]:>8.1%}")
     reference = precisions[0]
     for precision in precisions[1:]:
         print(f"{precision} vs {reference} in-process: {best[f'in-process {precision}'] / best[f'in-process {reference}']:.2f}× "
@@ -249,6 +269,14 @@ def main(argv=None) -> int:
     if device == "cpu":
         top = max(rate / peaks[p] for label, key, p in variants if not key.startswith("ray e2e") for rate in [best[key]])
         print(f"best steady MFU {top * fpc:.2f} of the matmul peak in its dtype (goal ≥ 0.6)")
+    for backend in other:
+        label = f"{reference} {backend}"
+        print(f"plain-torch BERT vs {backend}, {reference} in-process: "
+              f"{best[f'in-process {reference}'] / best[f'in-process {label}']:.2f}× the chunks/s; vectors "
+              f"{'bit for bit the same' if np.array_equal(vectors[reference], vectors[label]) else 'differ'}")
+        for a in actor_counts:
+            print(f"  Ray {a} actor(s), {ray_precision}: steady {best[f'ray {a}'] / best[f'ray {a} {backend}']:.2f}×, "
+                  f"end to end (actors' start-up included) {best[f'ray e2e {a}'] / best[f'ray e2e {a} {backend}']:.2f}×")
     if len(actor_counts) > 1:
         lo, hi = actor_counts[0], actor_counts[-1]
         print(f"Ray {hi} vs {lo} actor(s): {best[f'ray {hi}'] / best[f'ray {lo}']:.2f}× steady")

@@ -32,8 +32,9 @@ from retropipe.data.stage import fingerprint, load_npy, open_stage, save_npy, sh
 from retropipe.data.store import ChunkStore
 from retropipe.retrieval.copies import ChunkCopies, ShardAssembly, find_copies
 # The model behind retrieval.embedder (re-exported: retrieval.embed is where callers find them).
-from retropipe.retrieval.embedder import (DEFAULT_MODEL_NAME, cached_embedder, embedding_dim, hub_name,  # noqa: F401
-                                          load_embedder, model_identity, resolve_embed_precision, resolve_model_path)
+from retropipe.retrieval.embedder import (DEFAULT_MODEL_NAME, cached_embedder, embedding_backend,  # noqa: F401
+                                          embedding_dim, hub_name, load_embedder, model_identity,
+                                          resolve_embed_precision, resolve_model_path)
 
 MANIFEST_VERSION = 1
 
@@ -50,27 +51,40 @@ def embed(model, texts: list[str], sub_batch: int = SUB_BATCH) -> np.ndarray:
     order. Sorted by characters instead, the demo's chunks were fed with 25% padding in jobs of 64
     and about a fifth in any larger job (a chunk's characters say little about its WordPiece
     count); sorted by tokens, 16% in jobs of 64 and 2% in jobs of 1,024 (docs/benchmarks.md).
+    A plain-torch BERT (retrieval/bert.py) tokenizes each text once; a SentenceTransformer
+    tokenizes to sort and again to embed.
     """
     import torch
-    from sentence_transformers.util import batch_to_device
 
-    # preprocess() replaced tokenize() in sentence-transformers 6; keep both working.
-    preprocess = getattr(model, "preprocess", None) or model.tokenize
-    dim = embedding_dim(model)
-    out = np.zeros((len(texts), dim), dtype=np.float32)
-    order = np.argsort(token_lengths(model, texts), kind="stable")
+    if hasattr(model, "token_ids"):                                    # retrieval/bert.PlainBert
+        ids = model.token_ids(texts)
+        lengths = [len(i) for i in ids]
+
+        def pooled(idx):
+            return model.embed_ids([ids[i] for i in idx])
+    else:
+        from sentence_transformers.util import batch_to_device
+
+        # preprocess() replaced tokenize() in sentence-transformers 6; keep both working.
+        preprocess = getattr(model, "preprocess", None) or model.tokenize
+        lengths = token_lengths(model, texts)
+
+        def pooled(idx):
+            return model(batch_to_device(preprocess([texts[i] for i in idx]), model.device))["sentence_embedding"]
+    out = np.zeros((len(texts), embedding_dim(model)), dtype=np.float32)
+    order = np.argsort(lengths, kind="stable")
     with torch.inference_mode():
         for start in range(0, len(texts), sub_batch):
             idx = order[start:start + sub_batch]
-            features = batch_to_device(preprocess([texts[i] for i in idx]), model.device)
-            vectors = model(features)["sentence_embedding"].float()
-            out[idx] = torch.nn.functional.normalize(vectors, dim=-1).cpu().numpy()
+            out[idx] = torch.nn.functional.normalize(pooled(idx).float(), dim=-1).cpu().numpy()
     return out
 
 
 def token_lengths(model, texts: list[str]) -> list[int]:
     """Each text's length in the tokens the embedder reads (special tokens and truncation
     included); characters for a model without a tokenizer of its own."""
+    if hasattr(model, "token_ids"):
+        return [len(i) for i in model.token_ids(texts)]
     tokenizer = getattr(model, "tokenizer", None)
     if tokenizer is None:
         return [len(t) for t in texts]
@@ -115,6 +129,8 @@ class EmbedSpec:
     hub_name: str | None = None
     # The embedder's precision, resolved once for the whole build (retrieval.embed_precision).
     precision: str = "fp32"
+    # How the model is computed (embedder.load_embedder): "auto", or "sentence-transformers" to compare.
+    backend: str = "auto"
 
 
 def runner_precision(runner, precision: str) -> str:
@@ -147,7 +163,7 @@ def serial_embed_runner(spec: EmbedSpec, jobs: list[EmbedJob]) -> Iterator[tuple
 
     if not jobs:
         return
-    model = cached_embedder(spec.model_path, "cpu", spec.precision)
+    model = cached_embedder(spec.model_path, "cpu", spec.precision, spec.backend)
     stores, encoding = [ChunkStore(d) for d in spec.data_dirs], get_tokenizer(spec.tokenizer)
     for job in jobs:
         yield job, embed_job(model, stores[job.part], encoding, job, spec.sub_batch)
@@ -274,7 +290,7 @@ def _finalize(store: ChunkStore, out_dir: Path, inputs: dict, names: dict, model
     manifest = {
         "version": MANIFEST_VERSION, "inputs": inputs,
         "model": identity["name"], "model_path": str(model_path), "model_sha256": identity["sha256"],
-        "precision": precision,
+        "precision": precision, "backend": embedding_backend(model_path),   # what computed it: same vectors either way
         "dim": dims.pop() if dims else 0, "dtype": "float16", "normalized": True,
         "chunk_store_fingerprint": store.fingerprint,
         "shards": {s: [shard_file(n) for n in names[s]] for s in SPLITS},

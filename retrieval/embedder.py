@@ -134,39 +134,62 @@ def resolve_embed_precision(precision: str, device: str) -> str:
     return precision
 
 
-def load_embedder(path: Path, device: str = "cpu", threads: int | None = None, precision: str = "fp32"):
-    """A SentenceTransformer from a local directory, in eval mode, its weights in `precision`
-    (fp32, bf16 or fp16: the whole forward then runs in it; embed() normalises in fp32).
+def load_embedder(path: Path, device: str = "cpu", threads: int | None = None, precision: str = "fp32",
+                  backend: str = "auto"):
+    """The model of a local directory, in eval mode, its weights in `precision` (fp32, bf16 or
+    fp16: the whole forward then runs in it; embed() normalises in fp32).
 
+    backend "auto": a BERT in sentence-transformers' layout (the bundled default among them) is
+    computed in plain torch (retrieval/bert.py: the same vectors, without importing
+    sentence-transformers or transformers); any other model is a SentenceTransformer.
+    "sentence-transformers" loads every model as one (benchmarks and tests compare the two).
     local_files_only: the directory is complete (bundled, a user's, or a resolved hub snapshot), so
     nothing may touch the network, whatever HF_HUB_OFFLINE says (no hang on a network timeout).
     """
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one actor per core: no tokenizer threads
     import torch
-    from sentence_transformers import SentenceTransformer
-    from transformers.utils import logging as hf_logging
+
+    from retropipe.retrieval.bert import load_plain_bert
 
     if threads:
         torch.set_num_threads(threads)
+    try:
+        model = load_plain_bert(path) if backend == "auto" else None
+        model = model if model is not None else _load_sentence_transformer(path, device)
+    except RetrievalError:
+        raise
+    except Exception as e:  # any load failure is the configured model's fault
+        raise RetrievalError(f"config key 'retrieval.embedder': cannot load {path}: {e}") from None
+    return model.to(device=device, dtype=getattr(torch, PRECISIONS[precision])).eval()
+
+
+def embedding_backend(path: Path) -> str:
+    """What load_embedder computes the model of `path` with: "torch" or "sentence-transformers"."""
+    from retropipe.retrieval.bert import plain_bert_layout
+
+    return "torch" if plain_bert_layout(path) is not None else "sentence-transformers"
+
+
+def _load_sentence_transformer(path: Path, device: str):
+    from sentence_transformers import SentenceTransformer
+    from transformers.utils import logging as hf_logging
+
     # transformers' "Loading weights" bar, once per process and actor, says nothing RetroPipe's
     # own bars do not (shown with --verbose: RETROPIPE_VERBOSE=1, launch/cli.py).
     bar = hf_logging.is_progress_bar_enabled()
     if os.environ.get("RETROPIPE_VERBOSE") != "1":
         hf_logging.disable_progress_bar()
     try:
-        model = SentenceTransformer(str(path), device=device, local_files_only=True)
-    except Exception as e:  # any load failure is the configured model's fault
-        raise RetrievalError(f"config key 'retrieval.embedder': cannot load {path}: {e}") from None
+        return SentenceTransformer(str(path), device=device, local_files_only=True)
     finally:
         if bar:
             hf_logging.enable_progress_bar()
-    return model.to(getattr(torch, PRECISIONS[precision])).eval()
 
 
 @functools.lru_cache(maxsize=4)
-def cached_embedder(path: str, device: str = "cpu", precision: str = "fp32"):
+def cached_embedder(path: str, device: str = "cpu", precision: str = "fp32", backend: str = "auto"):
     """One model per process for in-process use (the driver's dimension check, the serial runner)."""
-    return load_embedder(Path(path), device=device, precision=precision)
+    return load_embedder(Path(path), device=device, precision=precision, backend=backend)
 
 
 def embedding_dim(model) -> int:

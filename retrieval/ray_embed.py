@@ -39,7 +39,7 @@ class EmbedChunks:
 
         self.spec = spec
         self.model = load_embedder(local_model_path(spec.model_path, spec.hub_name), device=device, threads=threads,
-                                   precision=spec.precision)
+                                   precision=spec.precision, backend=spec.backend)
         self.stores, self.encoding = [ChunkStore(d) for d in spec.data_dirs], get_tokenizer(spec.tokenizer)
         self.node = ray.get_runtime_context().get_node_id()
         self.jobs_done = 0

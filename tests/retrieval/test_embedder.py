@@ -24,7 +24,8 @@ REPO, COMMIT = "sentence-transformers/all-MiniLM-L6-v2", "0123456789abcdef012345
 
 
 def test_embed_matches_sentence_transformers_encode():
-    model = cached_embedder(str(resolve_model_path("")))
+    """embed's path for any model of another layout than retrieval/bert.py's: a SentenceTransformer."""
+    model = cached_embedder(str(resolve_model_path("")), backend="sentence-transformers")
     texts = ["a", "The ship sails across stormy ocean waves, far from home.", "", "naïve café — 12345",
              "compilers " * 40, "bread"]
     ours = embed(model, texts, sub_batch=4)
@@ -49,7 +50,7 @@ def test_embed_pads_sub_batches_sorted_by_the_embedders_tokens_not_characters():
     by_tokens, by_chars = padded(np.argsort(tokens, kind="stable")), padded(np.argsort([len(t) for t in texts]))
     assert by_tokens < by_chars
     fed = []
-    hook = model[0].register_forward_pre_hook(lambda module, args: fed.append(args[0]["attention_mask"].numel()))
+    hook = model.register_forward_pre_hook(lambda module, args: fed.append(args[0].numel()))   # tokens (b, n)
     try:
         ours = embed(model, texts, sub_batch=2)
     finally:
@@ -63,6 +64,7 @@ def test_embeddings_are_aligned_with_chunk_shards(built):
     root, store, result = built
     manifest = result["embeddings"]
     assert manifest["dim"] == 384 and manifest["model"] == "sentence-transformers/all-MiniLM-L6-v2"
+    assert manifest["backend"] == "torch"  # retrieval/bert.py computed it
     assert manifest["chunk_store_fingerprint"] == store.fingerprint
     for split in ("train", "validation"):
         names = [n.replace(".arrow", ".npy") for n in store.manifest["shards"][split]]
