@@ -151,13 +151,13 @@ def load_embedder(path: Path, device: str = "cpu", threads: int | None = None, p
 
     from retropipe.retrieval.bert import load_plain_bert
 
+    if backend not in ("auto", "sentence-transformers"):
+        raise ValueError(f"load_embedder: backend {backend!r} is 'auto' or 'sentence-transformers'")
     if threads:
         torch.set_num_threads(threads)
     try:
         model = load_plain_bert(path) if backend == "auto" else None
         model = model if model is not None else _load_sentence_transformer(path, device)
-    except RetrievalError:
-        raise
     except Exception as e:  # any load failure is the configured model's fault
         raise RetrievalError(f"config key 'retrieval.embedder': cannot load {path}: {e}") from None
     return model.to(device=device, dtype=getattr(torch, PRECISIONS[precision])).eval()
