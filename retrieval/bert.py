@@ -2,7 +2,7 @@
 
     model = load_plain_bert(path)        # None where the directory is not this layout
     ids = model.token_ids(texts)         # WordPiece ids, [CLS] … [SEP], truncated as sentence-transformers does
-    pooled = model.embed_ids(ids)        # (b, d) in the model's dtype, not normalised
+    pooled = model.embed_ids(ids)        # (b, d) in the model's dtype, pooled (and normalised where it says so)
 
 sentence-transformers saves a BERT sentence embedder (the bundled all-MiniLM-L6-v2 among them) as a
 Transformer module (a transformers `BertModel`), a Pooling module (mean or CLS) and often a
@@ -10,11 +10,14 @@ Normalize. Loading it through sentence-transformers imports that package and tra
 of one core in every process that embeds (each Ray actor of a database build, every generate.py
 that retrieves), and its forward runs through transformers' general machinery. This computes the
 same function from the same files: the weights from model.safetensors, the tokens from
-tokenizer.json through `tokenizers`, the width, pooling and length from the configs. Its vectors
-are within 1e-6 of sentence-transformers' (tests/retrieval/test_bert.py), and the bundled model
-embeds faster (docs/benchmarks.md). Any other layout (another architecture, pooling or
-tokenizer, a Dense layer, a truncation, weights only as a pickle) is None here and loads through
-sentence-transformers (retrieval/embedder.py).
+tokenizer.json through `tokenizers`, the width, pooling and length from the configs; its vectors
+are sentence-transformers' bit for bit (tests/retrieval/test_bert.py). The layout is accepted only
+where every file says what the code assumes, and transformers' tokenizer would compute what
+tokenizer.json does (it rebuilds the normalizer and the [CLS] … [SEP] template from
+tokenizer_config.json, keeping only the vocabulary of tokenizer.json). Anything else (another
+architecture, pooling or tokenizer, a Dense layer, a truncation, left padding or truncation,
+settings of sentence-transformers' own, the format sentence-transformers 6 saves, weights only as
+a pickle) is None here and loads through sentence-transformers (retrieval/embedder.py).
 """
 
 from __future__ import annotations
@@ -31,12 +34,24 @@ LAYOUTS = (["Transformer", "Pooling"], ["Transformer", "Pooling", "Normalize"])
 POOLING_FLAGS = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
 # Weights in the files that the sentence embedding never reads.
 UNUSED_WEIGHTS = ("pooler.", "embeddings.position_ids")
+# transformers' BertConfig defaults, for keys a config.json leaves out.
+BERT_DEFAULTS = {"vocab_size": 30522, "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
+                 "intermediate_size": 3072, "hidden_act": "gelu", "max_position_embeddings": 512, "type_vocab_size": 2,
+                 "layer_norm_eps": 1e-12, "position_embedding_type": "absolute", "is_decoder": False,
+                 "add_cross_attention": False}
+# transformers' BertTokenizer defaults (tokenizer_config.json), from which it builds its normalizer and template.
+TOKENIZER_DEFAULTS = {"do_lower_case": True, "strip_accents": None, "tokenize_chinese_chars": True, "unk_token": "[UNK]",
+                      "cls_token": "[CLS]", "sep_token": "[SEP]", "padding_side": "right", "truncation_side": "right",
+                      "tokenizer_class": "BertTokenizer"}
+# sentence_bert_config.json keys understood here (sentence-transformers reads more: tokenizer_args, model_args, ...).
+SENTENCE_BERT_KEYS = {"max_seq_length", "do_lower_case"}
 
 
 def plain_bert_layout(path: Path) -> dict | None:
     """What load_plain_bert needs from a sentence-transformers directory (config, pooling mode,
-    max length), or None where it is not exactly Transformer(BertModel) → Pooling(mean | cls) →
-    [Normalize] with safetensors weights and a WordPiece tokenizer.json."""
+    max length, normalize), or None where it is not exactly Transformer(BertModel) →
+    Pooling(mean | cls) → [Normalize], with safetensors weights and a tokenizer as transformers
+    would build it (`_tokenizer_as_transformers_builds_it`)."""
     def read(p: Path) -> dict:
         return json.loads(p.read_text())
 
@@ -44,8 +59,9 @@ def plain_bert_layout(path: Path) -> dict | None:
         modules = read(path / "modules.json")
         if [m["type"].rsplit(".", 1)[-1] for m in modules] not in LAYOUTS or modules[0].get("path"):
             return None
-        config, st = read(path / "config.json"), read(path / "sentence_bert_config.json")
+        config, st = _bert_config(read(path / "config.json")), read(path / "sentence_bert_config.json")
         pooling, tokenizer = read(path / modules[1]["path"] / "config.json"), read(path / "tokenizer.json")
+        tokenizer_config = read(path / "tokenizer_config.json") if (path / "tokenizer_config.json").exists() else {}
         settings = path / "config_sentence_transformers.json"
         if settings.exists() and read(settings).get("truncate_dim") is not None:
             return None
@@ -56,16 +72,46 @@ def plain_bert_layout(path: Path) -> dict | None:
         modes = [POOLING_FLAGS.get(flag, flag) for flag, on in pooling.items()
                  if flag.startswith("pooling_mode_") and on]
     modes = [modes] if isinstance(modes, str) else modes
-    bert = (config.get("model_type") == "bert" and config.get("architectures", ["BertModel"]) == ["BertModel"]
-            and config.get("position_embedding_type", "absolute") == "absolute" and config.get("hidden_act") == "gelu")
     length = st.get("max_seq_length")
-    if not (bert and modes in (["mean"], ["cls"]) and not st.get("do_lower_case")
-            and isinstance(length, int) and 0 < length <= config.get("max_position_embeddings", 0)
-            and pooling.get("word_embedding_dimension", pooling.get("embedding_dimension")) == config.get("hidden_size")
-            and (tokenizer.get("model") or {}).get("type") == "WordPiece" and tokenizer.get("post_processor")
+    if not (config and modes in (["mean"], ["cls"]) and set(st) <= SENTENCE_BERT_KEYS
+            and isinstance(length, int) and 0 < length <= config["max_position_embeddings"]
+            and pooling.get("word_embedding_dimension", pooling.get("embedding_dimension")) == config["hidden_size"]
+            and _tokenizer_as_transformers_builds_it(tokenizer, tokenizer_config, bool(st.get("do_lower_case")))
             and (path / "model.safetensors").is_file()):
         return None
     return {"config": config, "pooling": modes[0], "max_length": length, "normalize": len(modules) == 3}
+
+
+def _bert_config(config: dict) -> dict | None:
+    """config.json with BertConfig's defaults filled in, where it is a plain bidirectional BertModel."""
+    c = {**BERT_DEFAULTS, **config}
+    plain = (c.get("model_type") == "bert" and c.get("architectures", ["BertModel"]) == ["BertModel"]
+             and c["hidden_act"] == "gelu" and c["position_embedding_type"] == "absolute"
+             and not c["is_decoder"] and not c["add_cross_attention"])
+    return c if plain else None
+
+
+def _tokenizer_as_transformers_builds_it(tokenizer: dict, tokenizer_config: dict, lower_case: bool) -> bool:
+    """Whether tokenizer.json computes what transformers' BertTokenizer computes from these files:
+    it keeps the vocabulary and rebuilds the normalizer, pre-tokenizer and [CLS] A [SEP] template
+    from tokenizer_config.json; pads and truncates on the side that file (or tokenizer.json) names.
+    sentence_bert_config's do_lower_case lower-cases before a normalizer that does so anyway."""
+    t = {**TOKENIZER_DEFAULTS, **tokenizer_config}
+    model, post = tokenizer.get("model") or {}, tokenizer.get("post_processor") or {}
+    normalizer = {"type": "BertNormalizer", "clean_text": True, "handle_chinese_chars": t["tokenize_chinese_chars"],
+                  "strip_accents": t["strip_accents"], "lowercase": t["do_lower_case"]}
+    single = [{"SpecialToken": {"id": t["cls_token"], "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+              {"SpecialToken": {"id": t["sep_token"], "type_id": 0}}]
+    vocab, special = model.get("vocab") or {}, post.get("special_tokens") or {}
+    sides = [t["padding_side"], t["truncation_side"],
+             *((tokenizer.get(key) or {}).get("direction", "Right") for key in ("truncation", "padding"))]
+    return (t["tokenizer_class"] in ("BertTokenizer", "BertTokenizerFast")
+            and tokenizer.get("normalizer") == normalizer and tokenizer.get("pre_tokenizer") == {"type": "BertPreTokenizer"}
+            and post.get("type") == "TemplateProcessing" and post.get("single") == single
+            and all((special.get(t[k]) or {}).get("ids") == [vocab.get(t[k])] for k in ("cls_token", "sep_token"))
+            and model.get("type") == "WordPiece" and model.get("unk_token") == t["unk_token"]
+            and model.get("continuing_subword_prefix", "##") == "##" and model.get("max_input_chars_per_word", 100) == 100
+            and all(str(side).lower() == "right" for side in sides) and (t["do_lower_case"] or not lower_case))
 
 
 def load_plain_bert(path: Path) -> "PlainBert | None":
@@ -82,8 +128,9 @@ def load_plain_bert(path: Path) -> "PlainBert | None":
                if not k.removeprefix("bert.").startswith(UNUSED_WEIGHTS)}
     expected = model.state_dict()
     reshaped = {k for k in expected.keys() & weights.keys() if expected[k].shape != weights[k].shape}
-    for what, names in (("lacks", expected.keys() - weights.keys()), ("has no place for", weights.keys() - expected.keys()),
-                        ("has another shape for", reshaped)):
+    # Weights the model has no place for (a pre-training head's) are left, as transformers leaves them.
+    weights = {k: v for k, v in weights.items() if k in expected}
+    for what, names in (("lacks", expected.keys() - weights.keys()), ("has another shape for", reshaped)):
         if names:  # one line: the first name and how many more
             more = f" and {len(names) - 1} more" if len(names) > 1 else ""
             raise ValueError(f"model.safetensors {what} {sorted(names)[0]}{more} of the model config.json describes")
@@ -126,12 +173,12 @@ class PlainBert(nn.Module):
 
     def __init__(self, config: dict, pooling: str, normalize: bool):
         super().__init__()
-        d, eps = config["hidden_size"], config["layer_norm_eps"]
+        d, eps = config["hidden_size"], config["layer_norm_eps"]        # config: _bert_config's, defaults filled in
         self.pooling, self.normalize, self.dim = pooling, normalize, d
         self.embeddings = nn.ModuleDict({
             "word_embeddings": nn.Embedding(config["vocab_size"], d),
             "position_embeddings": nn.Embedding(config["max_position_embeddings"], d),
-            "token_type_embeddings": nn.Embedding(config.get("type_vocab_size", 2), d),
+            "token_type_embeddings": nn.Embedding(config["type_vocab_size"], d),
             "LayerNorm": nn.LayerNorm(d, eps=eps)})
         self.encoder = nn.ModuleDict({"layer": nn.ModuleList(
             BertLayer(d, config["intermediate_size"], config["num_attention_heads"], eps)

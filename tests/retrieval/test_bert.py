@@ -70,40 +70,74 @@ def edit_json(path, **changes):
     path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
 
 
-def test_cls_pooling_without_normalize_is_computed_too(tmp_path):
-    model = copy_of_bundled(tmp_path, "cls")
+def cls_pooling_without_normalize(model):
     (model / "1_Pooling" / "config.json").write_text(json.dumps(
         {"word_embedding_dimension": 384, "pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False}))
-    modules = json.loads((model / "modules.json").read_text())
-    (model / "modules.json").write_text(json.dumps(modules[:2]))
+    (model / "modules.json").write_text(json.dumps(json.loads((model / "modules.json").read_text())[:2]))
+
+
+def a_pretraining_head_beside_the_weights(model):
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(model / "model.safetensors"))
+    save_file({**weights, "cls.predictions.bias": weights["embeddings.word_embeddings.weight"][:, 0].clone()},
+              str(model / "model.safetensors"))
+
+
+def config_defaults_left_out(model):
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({k: v for k, v in config.items()
+                                                   if k not in ("layer_norm_eps", "type_vocab_size", "hidden_act")}))
+
+
+@pytest.mark.parametrize("change", [
+    cls_pooling_without_normalize,
+    lambda model: edit_json(model / "sentence_bert_config.json", do_lower_case=True),  # its normalizer lower-cases too
+    a_pretraining_head_beside_the_weights,                                               # transformers leaves it too
+    config_defaults_left_out,                                                            # BertConfig's defaults
+], ids=["cls pooling, no normalize", "lower case twice", "a pre-training head", "config defaults"])
+def test_other_bert_directories_are_computed_too_bit_for_bit(tmp_path, change):
+    model = copy_of_bundled(tmp_path, "changed")
+    change(model)
     plain, reference = load_embedder(model), load_embedder(model, backend="sentence-transformers")
-    assert type(plain).__name__ == "PlainBert" and not plain.normalize and plain.pooling == "cls"
+    assert type(plain).__name__ == "PlainBert"
     texts = corpus_texts(20) + EDGES
     assert np.array_equal(embed(plain, texts), embed(reference, texts))
 
 
-@pytest.mark.parametrize("change", ["max pooling", "dense", "roberta", "lower case", "no safetensors", "truncated",
-                                    "longer than its positions"])
+def left(model, key):
+    edit_json(model / "tokenizer_config.json", **{key: "left"})
+
+
+# Directories transformers or sentence-transformers would read otherwise than tokenizer.json and the
+# configs say here: each loads through sentence-transformers.
+OTHER_LAYOUTS = {
+    "max pooling": lambda m: edit_json(m / "1_Pooling" / "config.json", pooling_mode_mean_tokens=False,
+                                       pooling_mode_max_tokens=True),
+    "dense": lambda m: (m / "modules.json").write_text(json.dumps(json.loads((m / "modules.json").read_text())[:2] + [
+        {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}])),
+    "roberta": lambda m: edit_json(m / "config.json", model_type="roberta", architectures=["RobertaModel"]),
+    "a decoder": lambda m: edit_json(m / "config.json", is_decoder=True),
+    "no safetensors": lambda m: (m / "model.safetensors").unlink(),
+    "truncated": lambda m: (m / "config_sentence_transformers.json").write_text(json.dumps({"truncate_dim": 64})),
+    "longer than its positions": lambda m: edit_json(m / "sentence_bert_config.json", max_seq_length=1024),
+    "tokenizer arguments": lambda m: edit_json(m / "sentence_bert_config.json", tokenizer_args={"model_max_length": 64}),
+    # transformers builds the normalizer from tokenizer_config.json, not from tokenizer.json
+    "cased by its tokenizer config": lambda m: edit_json(m / "tokenizer_config.json", do_lower_case=False),
+    "accents kept by its tokenizer config": lambda m: edit_json(m / "tokenizer_config.json", strip_accents=False),
+    "another normalizer": lambda m: edit_json(m / "tokenizer.json", normalizer={"type": "Sequence", "normalizers": [
+        {"type": "NFKC"}, json.loads((m / "tokenizer.json").read_text())["normalizer"]]}),
+    "truncated on the left": lambda m: left(m, "truncation_side"),
+    "padded on the left": lambda m: left(m, "padding_side"),
+}
+
+
+@pytest.mark.parametrize("change", list(OTHER_LAYOUTS))
 def test_any_other_layout_loads_through_sentence_transformers(tmp_path, change):
     model = copy_of_bundled(tmp_path, change.replace(" ", "_"))
-    if change == "max pooling":
-        edit_json(model / "1_Pooling" / "config.json", pooling_mode_mean_tokens=False, pooling_mode_max_tokens=True)
-    elif change == "dense":
-        modules = json.loads((model / "modules.json").read_text())
-        (model / "modules.json").write_text(json.dumps(modules[:2] + [
-            {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}]))
-    elif change == "roberta":
-        edit_json(model / "config.json", model_type="roberta", architectures=["RobertaModel"])
-    elif change == "lower case":
-        edit_json(model / "sentence_bert_config.json", do_lower_case=True)
-    elif change == "no safetensors":
-        (model / "model.safetensors").unlink()
-    elif change == "truncated":
-        (model / "config_sentence_transformers.json").write_text(json.dumps({"truncate_dim": 64}))
-    else:
-        edit_json(model / "sentence_bert_config.json", max_seq_length=1024)
+    OTHER_LAYOUTS[change](model)
     assert plain_bert_layout(model) is None and embedding_backend(model) == "sentence-transformers"
-    if change == "lower case":  # still a model sentence-transformers loads: it is, and embeds as before
+    if change == "cased by its tokenizer config":  # a model sentence-transformers loads: embedded as before
         loaded = load_embedder(model)
         assert type(loaded).__name__ == "SentenceTransformer" and embed(loaded, ["a text"]).shape == (1, 384)
 
