@@ -12,12 +12,15 @@ that retrieves), and its forward runs through transformers' general machinery. T
 same function from the same files: the weights from model.safetensors, the tokens from
 tokenizer.json through `tokenizers`, the width, pooling and length from the configs; its vectors
 are sentence-transformers' bit for bit (tests/retrieval/test_bert.py). The layout is accepted only
-where every file says what the code assumes, and transformers' tokenizer would compute what
-tokenizer.json does (it rebuilds the normalizer and the [CLS] … [SEP] template from
-tokenizer_config.json, keeping only the vocabulary of tokenizer.json). Anything else (another
-architecture, pooling or tokenizer, a Dense layer, a truncation, left padding or truncation,
+where every file holds nothing but keys known to leave the computation as it is here (CONFIG_KEYS,
+TOKENIZER_CONFIG_KEYS, SENTENCE_BERT_KEYS, BERT's five special tokens and no others), and where
+transformers' tokenizer would compute what tokenizer.json does (it rebuilds the normalizer and the
+[CLS] … [SEP] template from tokenizer_config.json, keeping only the vocabulary of tokenizer.json).
+Anything else (another architecture, pooling or tokenizer, a Dense layer, a truncation, left
+padding or truncation, added special tokens, an attention implementation or dtype asked for,
 settings of sentence-transformers' own, the format sentence-transformers 6 saves, weights only as
-a pickle) is None here and loads through sentence-transformers (retrieval/embedder.py).
+a pickle or twice over) is None here and loads through sentence-transformers (retrieval/embedder.py).
+Weights missing for the config are an error here, where transformers would start them at random.
 """
 
 from __future__ import annotations
@@ -45,6 +48,17 @@ TOKENIZER_DEFAULTS = {"do_lower_case": True, "strip_accents": None, "tokenize_ch
                       "tokenizer_class": "BertTokenizer"}
 # sentence_bert_config.json keys understood here (sentence-transformers reads more: tokenizer_args, model_args, ...).
 SENTENCE_BERT_KEYS = {"max_seq_length", "do_lower_case"}
+# BERT's special tokens as BertTokenizer names them by default: a directory that names others, or adds
+# any (bos, additional or extra special tokens, added_tokens.json), tokenizes otherwise in transformers.
+SPECIAL_TOKENS = {"unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]", "cls_token": "[CLS]",
+                  "mask_token": "[MASK]"}
+# The keys each file may hold, all of which leave the computation as it is here (the rest, e.g. an
+# attention implementation, a dtype, a quantization, feed-forward chunking, bos or added tokens, may not).
+CONFIG_KEYS = {*BERT_DEFAULTS, "architectures", "model_type", "hidden_dropout_prob", "attention_probs_dropout_prob",
+               "initializer_range", "pad_token_id", "use_cache", "transformers_version", "gradient_checkpointing",
+               "_name_or_path", "classifier_dropout"}
+TOKENIZER_CONFIG_KEYS = {*TOKENIZER_DEFAULTS, *SPECIAL_TOKENS, "name_or_path", "do_basic_tokenize", "never_split",
+                         "model_max_length", "clean_up_tokenization_spaces"}
 
 
 def plain_bert_layout(path: Path) -> dict | None:
@@ -57,9 +71,16 @@ def plain_bert_layout(path: Path) -> dict | None:
 
     try:
         modules = read(path / "modules.json")
-        if [m["type"].rsplit(".", 1)[-1] for m in modules] not in LAYOUTS or modules[0].get("path"):
+        if [m["type"].rsplit(".", 1)[-1] for m in modules] not in LAYOUTS or modules[0].get("path") \
+                or not all(m["type"].startswith("sentence_transformers.") for m in modules):
             return None
         config, st = _bert_config(read(path / "config.json")), read(path / "sentence_bert_config.json")
+        names = _weight_names(path / "model.safetensors")
+        if any(k.startswith("bert.") and k.removeprefix("bert.") in names for k in names):
+            return None  # two copies of a weight: which one transformers loads is its own rule
+        specials = path / "special_tokens_map.json"
+        if (path / "added_tokens.json").exists() or (specials.exists() and read(specials) != SPECIAL_TOKENS):
+            return None
         pooling, tokenizer = read(path / modules[1]["path"] / "config.json"), read(path / "tokenizer.json")
         tokenizer_config = read(path / "tokenizer_config.json") if (path / "tokenizer_config.json").exists() else {}
         settings = path / "config_sentence_transformers.json"
@@ -76,16 +97,27 @@ def plain_bert_layout(path: Path) -> dict | None:
     if not (config and modes in (["mean"], ["cls"]) and set(st) <= SENTENCE_BERT_KEYS
             and isinstance(length, int) and 0 < length <= config["max_position_embeddings"]
             and pooling.get("word_embedding_dimension", pooling.get("embedding_dimension")) == config["hidden_size"]
-            and _tokenizer_as_transformers_builds_it(tokenizer, tokenizer_config, bool(st.get("do_lower_case")))
-            and (path / "model.safetensors").is_file()):
+            and _tokenizer_as_transformers_builds_it(tokenizer, tokenizer_config, bool(st.get("do_lower_case")))):
         return None
     return {"config": config, "pooling": modes[0], "max_length": length, "normalize": len(modules) == 3}
+
+
+def _weight_names(file: Path) -> set[str]:
+    """The tensor names of a safetensors file, from its header (8 bytes of length, then JSON)."""
+    with open(file, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    return set(header) - {"__metadata__"}
 
 
 def _bert_config(config: dict) -> dict | None:
     """config.json with BertConfig's defaults filled in, where it is a plain bidirectional BertModel."""
     c = {**BERT_DEFAULTS, **config}
-    plain = (c.get("model_type") == "bert" and c.get("architectures", ["BertModel"]) == ["BertModel"]
+    sizes = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+             "max_position_embeddings", "type_vocab_size")
+    plain = (set(config) <= CONFIG_KEYS and all(type(c[k]) is int and c[k] > 0 for k in sizes)
+             and c["hidden_size"] % c["num_attention_heads"] == 0
+             and (c.get("pad_token_id") is None or 0 <= c["pad_token_id"] < c["vocab_size"])
+             and c.get("model_type") == "bert" and c.get("architectures", ["BertModel"]) == ["BertModel"]
              and c["hidden_act"] == "gelu" and c["position_embedding_type"] == "absolute"
              and not c["is_decoder"] and not c["add_cross_attention"])
     return c if plain else None
@@ -97,7 +129,11 @@ def _tokenizer_as_transformers_builds_it(tokenizer: dict, tokenizer_config: dict
     from tokenizer_config.json; pads and truncates on the side that file (or tokenizer.json) names.
     sentence_bert_config's do_lower_case lower-cases before a normalizer that does so anyway."""
     t = {**TOKENIZER_DEFAULTS, **tokenizer_config}
+    if set(tokenizer_config) - TOKENIZER_CONFIG_KEYS or any(t.get(k, v) != v for k, v in SPECIAL_TOKENS.items()):
+        return False
     model, post = tokenizer.get("model") or {}, tokenizer.get("post_processor") or {}
+    added = {(a.get("content"), a.get("id"), a.get("special"), a.get("single_word"), a.get("lstrip"), a.get("rstrip"),
+              a.get("normalized")) for a in tokenizer.get("added_tokens") or []}
     normalizer = {"type": "BertNormalizer", "clean_text": True, "handle_chinese_chars": t["tokenize_chinese_chars"],
                   "strip_accents": t["strip_accents"], "lowercase": t["do_lower_case"]}
     single = [{"SpecialToken": {"id": t["cls_token"], "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
@@ -105,7 +141,9 @@ def _tokenizer_as_transformers_builds_it(tokenizer: dict, tokenizer_config: dict
     vocab, special = model.get("vocab") or {}, post.get("special_tokens") or {}
     sides = [t["padding_side"], t["truncation_side"],
              *((tokenizer.get(key) or {}).get("direction", "Right") for key in ("truncation", "padding"))]
+    vocab_ids = (model.get("vocab") or {}).get
     return (t["tokenizer_class"] in ("BertTokenizer", "BertTokenizerFast")
+            and added == {(token, vocab_ids(token), True, False, False, False, False) for token in SPECIAL_TOKENS.values()}
             and tokenizer.get("normalizer") == normalizer and tokenizer.get("pre_tokenizer") == {"type": "BertPreTokenizer"}
             and post.get("type") == "TemplateProcessing" and post.get("single") == single
             and all((special.get(t[k]) or {}).get("ids") == [vocab.get(t[k])] for k in ("cls_token", "sep_token"))
@@ -123,9 +161,9 @@ def load_plain_bert(path: Path) -> "PlainBert | None":
     from safetensors.torch import load_file
     from tokenizers import Tokenizer
 
+    raw = load_file(str(path / "model.safetensors"))
     model = PlainBert(layout["config"], layout["pooling"], layout["normalize"])
-    weights = {k.removeprefix("bert."): v for k, v in load_file(str(path / "model.safetensors")).items()
-               if not k.removeprefix("bert.").startswith(UNUSED_WEIGHTS)}
+    weights = {k.removeprefix("bert."): v for k, v in raw.items() if not k.removeprefix("bert.").startswith(UNUSED_WEIGHTS)}
     expected = model.state_dict()
     reshaped = {k for k in expected.keys() & weights.keys() if expected[k].shape != weights[k].shape}
     # Weights the model has no place for (a pre-training head's) are left, as transformers leaves them.

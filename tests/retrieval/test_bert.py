@@ -129,7 +129,27 @@ OTHER_LAYOUTS = {
         {"type": "NFKC"}, json.loads((m / "tokenizer.json").read_text())["normalizer"]]}),
     "truncated on the left": lambda m: left(m, "truncation_side"),
     "padded on the left": lambda m: left(m, "padding_side"),
+    # transformers adds or renames special tokens that tokenizer.json does not have
+    "a bos token": lambda m: edit_json(m / "tokenizer_config.json", bos_token="[unused1]"),
+    "an added-tokens file": lambda m: (m / "added_tokens.json").write_text(json.dumps({"[unused0]": 1})),
+    "another cls token": lambda m: edit_json(m / "special_tokens_map.json", cls_token="[unused2]"),
+    "no mask among tokenizer.json's added tokens": lambda m: edit_json(m / "tokenizer.json", added_tokens=[
+        a for a in json.loads((m / "tokenizer.json").read_text())["added_tokens"] if a["content"] != "[MASK]"]),
+    # the config asks transformers for another computation
+    "eager attention": lambda m: edit_json(m / "config.json", attn_implementation="eager"),
+    "fp16 weights asked for": lambda m: edit_json(m / "config.json", dtype="float16"),
+    "a module outside sentence-transformers": lambda m: (m / "modules.json").write_text(json.dumps(
+        [{**mod, "type": "torch.nn.Normalize"} if mod["type"].endswith("Normalize") else mod
+         for mod in json.loads((m / "modules.json").read_text())])),
+    "two copies of the weights": lambda m: two_copies_of_the_weights(m),
 }
+
+
+def two_copies_of_the_weights(model):
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(model / "model.safetensors"))
+    save_file({**weights, **{f"bert.{k}": v + 1 for k, v in weights.items()}}, str(model / "model.safetensors"))
 
 
 @pytest.mark.parametrize("change", list(OTHER_LAYOUTS))
