@@ -32,9 +32,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# The modules (modules.json, by class name) and Pooling modes computed here (a Pooling's legacy flags named).
+from retropipe.retrieval.embedder import pooling_modes
+
+# The modules (modules.json, by class name) computed here.
 LAYOUTS = (["Transformer", "Pooling"], ["Transformer", "Pooling", "Normalize"])
-POOLING_FLAGS = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
 # Weights in the files that the sentence embedding never reads.
 UNUSED_WEIGHTS = ("pooler.", "embeddings.position_ids")
 # transformers' BertConfig defaults, for keys a config.json leaves out.
@@ -88,11 +89,7 @@ def plain_bert_layout(path: Path) -> dict | None:
             return None
     except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
         return None
-    modes = pooling.get("pooling_mode")
-    if modes is None:  # the legacy format: one flag per mode
-        modes = [POOLING_FLAGS.get(flag, flag) for flag, on in pooling.items()
-                 if flag.startswith("pooling_mode_") and on]
-    modes = [modes] if isinstance(modes, str) else modes
+    modes = pooling_modes(pooling)
     length = st.get("max_seq_length")
     if not (config and modes in (["mean"], ["cls"]) and set(st) <= SENTENCE_BERT_KEYS
             and isinstance(length, int) and 0 < length <= config["max_position_embeddings"]
@@ -141,9 +138,8 @@ def _tokenizer_as_transformers_builds_it(tokenizer: dict, tokenizer_config: dict
     vocab, special = model.get("vocab") or {}, post.get("special_tokens") or {}
     sides = [t["padding_side"], t["truncation_side"],
              *((tokenizer.get(key) or {}).get("direction", "Right") for key in ("truncation", "padding"))]
-    vocab_ids = (model.get("vocab") or {}).get
     return (t["tokenizer_class"] in ("BertTokenizer", "BertTokenizerFast")
-            and added == {(token, vocab_ids(token), True, False, False, False, False) for token in SPECIAL_TOKENS.values()}
+            and added == {(token, vocab.get(token), True, False, False, False, False) for token in SPECIAL_TOKENS.values()}
             and tokenizer.get("normalizer") == normalizer and tokenizer.get("pre_tokenizer") == {"type": "BertPreTokenizer"}
             and post.get("type") == "TemplateProcessing" and post.get("single") == single
             and all((special.get(t[k]) or {}).get("ids") == [vocab.get(t[k])] for k in ("cls_token", "sep_token"))

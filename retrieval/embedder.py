@@ -199,10 +199,21 @@ def embedding_dim(model) -> int:
 
 
 # The pooling modes of a sentence-transformers Pooling module's config: the legacy flags, one per
-# mode, and the newer `pooling_mode` (a name or a list of names). Each mode adds a width's worth.
-LEGACY_POOLING_FLAGS = ("pooling_mode_cls_token", "pooling_mode_mean_tokens", "pooling_mode_max_tokens",
-                        "pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens",
-                        "pooling_mode_lasttoken")
+# mode (named here as the newer format names them), and the newer `pooling_mode` (a name or a list
+# of names). Each mode adds a width's worth.
+LEGACY_POOLING_FLAGS = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
+                        "pooling_mode_max_tokens": "max", "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+                        "pooling_mode_weightedmean_tokens": "weightedmean", "pooling_mode_lasttoken": "lasttoken"}
+
+
+def pooling_modes(pooling: dict) -> list[str]:
+    """The modes a Pooling module's config.json names, in either format; a legacy flag this does
+    not know counts as a mode of its own name."""
+    modes = pooling.get("pooling_mode")
+    if modes is None:
+        return [LEGACY_POOLING_FLAGS.get(flag, flag) for flag, on in pooling.items()
+                if flag.startswith("pooling_mode_") and on]
+    return [modes] if isinstance(modes, str) else list(modes)
 
 
 def embedding_dim_from_files(path: Path) -> int | None:
@@ -233,9 +244,7 @@ def embedding_dim_from_files(path: Path) -> int | None:
             elif kind == "Pooling" and dim is not None:
                 pooling = read(config / "config.json")
                 widths = {pooling[key] for key in ("embedding_dimension", "word_embedding_dimension") if key in pooling}
-                modes = pooling.get("pooling_mode")
-                count = (len(modes) if isinstance(modes, list) else 1) if modes is not None else \
-                    sum(bool(pooling.get(flag)) for flag in LEGACY_POOLING_FLAGS)
+                count = len(pooling_modes(pooling))
                 if pooled or widths != {dim} or not count or set(pooling) - {
                         "pooling_mode", "include_prompt", "embedding_dimension", "word_embedding_dimension",
                         *LEGACY_POOLING_FLAGS}:
