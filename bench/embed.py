@@ -1,7 +1,9 @@
 """Benchmark chunk embedding: in-process `embed` vs the Ray Data runner with 1 and 2 actors, and MFU.
 
     python bench/embed.py [--chunks 1000] [--corpus ../shared/corpora/techdocs.jsonl.gz] [--actors 1,2]
-                          [--precisions fp32,auto] [--backends auto,sentence-transformers]
+                          [--precisions fp32,auto] [--backends auto,sentence-transformers] [--model DIR]
+    # a GPU machine without Ray: in-process only
+    python bench/embed.py --device cuda --actors "" --precisions fp32,fp16,bf16
 
 Prints, measured side by side in one run: chunks/s of the bundled all-MiniLM-L6-v2 on the
 first N training chunks of a freshly prepared corpus, (a) in this process with all cores
@@ -13,8 +15,9 @@ itself excluded) stay those of fp32; and (b) through `retrieval.ray_embed.RayEmb
 chunk × chunks/s over the matmul FLOP/s of its dtype measured in the same run. Goal on CPU:
 ≥ 0.6 of that peak; on a GPU the figure to record is chunks/s. `--backends`: the model computed
 as builds compute it (auto: retrieval/bert.py's plain-torch BERT) and through sentence-transformers,
-in-process in the first precision and through Ray (the actors' start-up, which imports the
+in-process in every precision and through Ray (the actors' start-up, which imports the
 library, counts end to end): the ratio of their chunks/s and whether their vectors are the same.
+`--actors ""` measures in-process only, and needs no Ray.
 
 Model FLOPs of a BERT encoder on a sequence padded to T WordPiece tokens (the tokens really
 fed: [CLS], [SEP] and the padding to the longest text of its sub-batch included):
@@ -169,7 +172,7 @@ def main(argv=None) -> int:
     parser.add_argument("--chunks", type=int, default=1000, help="training chunks embedded per measurement")
     parser.add_argument("--corpus", default=DEFAULT_CORPUS)
     parser.add_argument("--max-documents", type=int, default=3000, help="documents prepared (0 = all)")
-    parser.add_argument("--actors", default="1,2", help="Ray actor counts to measure")
+    parser.add_argument("--actors", default="1,2", help="Ray actor counts to measure (\"\": none, no Ray)")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds; the best of each is kept")
     parser.add_argument("--batch-size", type=int, default=RetrievalConfig().embed_batch_size,
                         help="chunks per job (retrieval.embed_batch_size)")
@@ -178,8 +181,9 @@ def main(argv=None) -> int:
                         help="retrieval.embed_precision values measured in-process; the last one also through Ray")
     parser.add_argument("--backends", default="auto,sentence-transformers",
                         help="how the model is computed (embedder.load_embedder): auto (the plain-torch BERT for "
-                             "the bundled model) in every precision; sentence-transformers in the first precision "
-                             "in-process and in the Ray one through Ray, compared with auto")
+                             "the bundled model); sentence-transformers, compared with auto in every precision "
+                             "in-process and in the Ray one through Ray")
+    parser.add_argument("--model", default="", help="retrieval.embedder: a model directory (\"\": the bundled one)")
     args = parser.parse_args(argv)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     cores = os.cpu_count() or 1
@@ -197,14 +201,15 @@ def main(argv=None) -> int:
         train = store.split("train")
         texts_per_job = [chunk_texts(train.tokens(np.arange(j.start, j.stop)), train.lengths[j.start:j.stop],
                                      encoding, store.eot_id) for j in jobs]
-        model_path = resolve_model_path("")
+        model_path = resolve_model_path(args.model)
         backends = [b for b in args.backends.split(",") if b]
         # label → (precision, backend, model); "fp32" is the product's path, "fp32 sentence-transformers" the other
         models = {p: (p, "auto", load_embedder(model_path, device=device, precision=p)) for p in precisions}
         other = [b for b in backends if b != "auto"]
         for backend in other:
-            models[f"{precisions[0]} {backend}"] = (precisions[0], backend, load_embedder(
-                model_path, device=device, precision=precisions[0], backend=backend))
+            for p in precisions:
+                models[f"{p} {backend}"] = (p, backend, load_embedder(model_path, device=device, precision=p,
+                                                                      backend=backend))
         fpc, padded_len, real_len = flops_per_chunk(models[precisions[0]][2], texts_per_job)
         name = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {cores} cores"
         print(f"device: {name}; load average {os.getloadavg()[0]:.2f}; torch {torch.__version__}")
@@ -218,7 +223,7 @@ def main(argv=None) -> int:
         ray_precision = precisions[-1]
         specs = {b: EmbedSpec((str(data_dir.resolve()),), str(model_path), store.manifest["tokenizer"],
                               precision=ray_precision, backend=b) for b in ["auto", *other]}
-        executor = RayExecutor(num_cpus=cores)
+        executor = RayExecutor(num_cpus=cores) if actor_counts else None
         peaks, rates, vectors = {}, {}, {}
         size, reps = (8192, 20) if device == "cuda" else (2048, 5)
 
@@ -247,7 +252,8 @@ def main(argv=None) -> int:
             for precision in peaks:
                 measure_peak(precision)
         finally:
-            executor.close()
+            if executor is not None:
+                executor.close()
 
     best = {key: float(np.nanmax(values)) for key, values in rates.items()}
     print("matmul " + ", ".join(f"{p} {size}²: {peak / 1e9:,.1f} GFLOP/s" for p, peak in peaks.items())
@@ -270,10 +276,13 @@ def main(argv=None) -> int:
         top = max(rate / peaks[p] for label, key, p in variants if not key.startswith("ray e2e") for rate in [best[key]])
         print(f"best steady MFU {top * fpc:.2f} of the matmul peak in its dtype (goal ≥ 0.6)")
     for backend in other:
-        label = f"{reference} {backend}"
-        print(f"plain-torch BERT vs {backend}, {reference} in-process: "
-              f"{best[f'in-process {reference}'] / best[f'in-process {label}']:.2f}× the chunks/s; vectors "
-              f"{'bit for bit the same' if np.array_equal(vectors[reference], vectors[label]) else 'differ'}")
+        for p in precisions:
+            label = f"{p} {backend}"
+            same = np.array_equal(vectors[p], vectors[label])
+            gap = "" if same else f" (largest difference {np.abs(vectors[p] - vectors[label]).max():.1e})"
+            print(f"plain-torch BERT vs {backend}, {p} in-process: "
+                  f"{best[f'in-process {p}'] / best[f'in-process {label}']:.2f}× the chunks/s; vectors "
+                  f"{'bit for bit the same' if same else 'differ'}{gap}")
         for a in actor_counts:
             print(f"  Ray {a} actor(s), {ray_precision}: steady {best[f'ray {a}'] / best[f'ray {a} {backend}']:.2f}×, "
                   f"end to end (actors' start-up included) {best[f'ray e2e {a}'] / best[f'ray e2e {a} {backend}']:.2f}×")
