@@ -38,7 +38,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import numpy as np  # noqa: E402
@@ -49,7 +48,7 @@ from retropipe.data.prepare import prepare  # noqa: E402
 from retropipe.data.store import ChunkStore  # noqa: E402
 from retropipe.data.tokenizer import get_tokenizer  # noqa: E402
 from retropipe.launch.ray_utils import RayExecutor  # noqa: E402
-from retropipe.retrieval.embed import (SUB_BATCH, EmbedJob, EmbedSpec, chunk_texts, embed, load_embedder,  # noqa: E402
+from retropipe.retrieval.embed import (EmbedJob, EmbedSpec, chunk_texts, embed, load_embedder, sub_batches,  # noqa: E402
                                        plan_jobs, resolve_embed_precision, resolve_model_path, token_lengths)
 from retropipe.retrieval.config import RetrievalConfig  # noqa: E402
 from retropipe.retrieval.ray_embed import EmbedChunks, RayEmbedRunner  # noqa: E402
@@ -81,9 +80,9 @@ def first_jobs(store: ChunkStore, n: int, batch_size: int) -> list[EmbedJob]:
     return jobs
 
 
-def flops_per_chunk(model, texts_per_job: list[list[str]]) -> tuple[float, float, float]:
+def flops_per_chunk(model, texts_per_job: list[list[str]], sub_batch: int | None) -> tuple[float, float, float]:
     """(model FLOPs per chunk, mean padded WordPiece length, mean real length) for these jobs,
-    sub-batched exactly as `embed` does: sorted by tokens, SUB_BATCH texts per forward."""
+    sub-batched exactly as `embed` does (`sub_batches`)."""
     if hasattr(model, "token_ids"):               # retrieval/bert.PlainBert: no pooler is computed
         encoder, pooler, layers, width = model.encoder, None, len(model.encoder["layer"]), model.dim
     else:                                         # a SentenceTransformer: transformers computes the pooler
@@ -94,20 +93,20 @@ def flops_per_chunk(model, texts_per_job: list[list[str]]) -> tuple[float, float
     p_pool = sum(p.numel() for p in pooler.parameters()) if pooler is not None else 0
     flops, padded, real, count = 0.0, 0, 0, 0
     for texts in texts_per_job:
-        lengths = np.sort(np.array(token_lengths(model, texts)), kind="stable")
-        for start in range(0, len(texts), SUB_BATCH):
-            group = lengths[start:start + SUB_BATCH]
+        lengths = np.array(token_lengths(model, texts))
+        for idx in sub_batches(lengths, model.device, sub_batch):
+            group = lengths[idx]
             b, t = len(group), int(group.max())
             flops += b * (2 * p_enc * t + 4 * layers * t * t * width + 2 * p_pool)
             padded, real, count = padded + b * t, real + int(group.sum()), count + b
     return flops / count, padded / count, real / count
 
 
-def run_inprocess(model, texts_per_job: list[list[str]]) -> tuple[float, np.ndarray]:
+def run_inprocess(model, texts_per_job: list[list[str]], sub_batch: int | None = None) -> tuple[float, np.ndarray]:
     """(seconds, vectors) of embedding every job in this process (one `embed` call per job, like
     the serial runner)."""
     t0 = time.perf_counter()
-    vectors = [embed(model, texts) for texts in texts_per_job]
+    vectors = [embed(model, texts, sub_batch) for texts in texts_per_job]
     sync(model.device.type)
     return time.perf_counter() - t0, np.concatenate(vectors)
 
@@ -183,6 +182,8 @@ def main(argv=None) -> int:
                         help="how the model is computed (embedder.load_embedder): auto (the plain-torch BERT for "
                              "the bundled model); sentence-transformers, compared with auto in every precision "
                              "in-process and in the Ray one through Ray")
+    parser.add_argument("--sub-batch", type=int, default=None,
+                        help="texts per forward inside a job (default: the device's, embed.sub_batches)")
     parser.add_argument("--model", default="", help="retrieval.embedder: a model directory (\"\": the bundled one)")
     args = parser.parse_args(argv)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -210,19 +211,21 @@ def main(argv=None) -> int:
             for p in precisions:
                 models[f"{p} {backend}"] = (p, backend, load_embedder(model_path, device=device, precision=p,
                                                                       backend=backend))
-        fpc, padded_len, real_len = flops_per_chunk(models[precisions[0]][2], texts_per_job)
+        sub_batch = args.sub_batch
+        fpc, padded_len, real_len = flops_per_chunk(models[precisions[0]][2], texts_per_job, sub_batch)
         name = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {cores} cores"
-        print(f"device: {name}; load average {os.getloadavg()[0]:.2f}; torch {torch.__version__}")
+        print(f"device: {name}; load average {os.getloadavg()[0]:.2f}; torch {torch.__version__}; "
+              f"TOKENIZERS_PARALLELISM={os.environ.get('TOKENIZERS_PARALLELISM', '(unset: threads)')}")
         print(f"corpus {args.corpus}: first {n:,} training chunks, in {len(jobs)} jobs of {args.batch_size} "
-              f"and sub-batches of {SUB_BATCH}")
+              f"and sub-batches of {sub_batch or 'the device’s size (embed.sub_batches)'}")
         print(f"WordPiece tokens per chunk: {real_len:.1f} real, {padded_len:.1f} fed (padded); "
               f"model FLOPs per chunk {fpc / 1e9:.3f} GFLOP")
         for _, _, model in models.values():
-            run_inprocess(model, texts_per_job[:2])  # warm-up: first calls allocate and pick kernels
+            run_inprocess(model, texts_per_job[:2], sub_batch)  # warm-up: first calls allocate and pick kernels
 
         ray_precision = precisions[-1]
         specs = {b: EmbedSpec((str(data_dir.resolve()),), str(model_path), store.manifest["tokenizer"],
-                              precision=ray_precision, backend=b) for b in ["auto", *other]}
+                              sub_batch=args.sub_batch, precision=ray_precision, backend=b) for b in ["auto", *other]}
         executor = RayExecutor(num_cpus=cores) if actor_counts else None
         peaks, rates, vectors = {}, {}, {}
         size, reps = (8192, 20) if device == "cuda" else (2048, 5)
@@ -236,7 +239,7 @@ def main(argv=None) -> int:
                 # machine is shared, and a neighbour must slow numerator and denominator alike.
                 for label, (precision, _, model) in models.items():
                     measure_peak(precision)
-                    seconds, vectors[label] = run_inprocess(model, texts_per_job)
+                    seconds, vectors[label] = run_inprocess(model, texts_per_job, sub_batch)
                     rates.setdefault(f"in-process {label}", []).append(n / seconds)
                     print(f"  measured in-process {label}: {n / seconds:.1f} chunks/s", flush=True)
                 for actors in actor_counts:

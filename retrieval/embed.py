@@ -41,9 +41,30 @@ MANIFEST_VERSION = 1
 # Texts per forward pass inside a job, sorted by length: less padding than one big batch, and
 # big enough (16 × ~50 tokens) that the matmuls stay efficient on CPU.
 SUB_BATCH = 16
+# On a GPU a forward takes as many texts as fit this many tokens padded: 16 texts (~800 tokens)
+# left all-MiniLM-L6-v2 waiting on its kernel launches (an H100 at 1% of its fp16 peak, no faster
+# in fp16 than in fp32), and a fixed count of 512 padded the group holding a job's longest texts
+# to them (48% of the tokens fed were padding). docs/benchmarks.md, "GPU: one NVIDIA H200".
+GPU_SUB_BATCH_TOKENS = 32768
 
 
-def embed(model, texts: list[str], sub_batch: int = SUB_BATCH) -> np.ndarray:
+def sub_batches(lengths: list[int], device, sub_batch: int | None = None) -> list[np.ndarray]:
+    """The texts of each forward, as indices into lengths (each text's tokens), shortest first:
+    `sub_batch` texts at a time where given; else SUB_BATCH on a CPU, and on a GPU as many as
+    fit GPU_SUB_BATCH_TOKENS tokens padded to the group's longest."""
+    order = np.argsort(lengths, kind="stable")
+    if sub_batch or not str(device).startswith("cuda"):
+        n = sub_batch or SUB_BATCH
+        return [order[s:s + n] for s in range(0, len(order), n)]
+    groups, start = [], 0
+    for i, n in enumerate(np.asarray(lengths, dtype=np.int64)[order]):
+        if i > start and (i + 1 - start) * n > GPU_SUB_BATCH_TOKENS:
+            groups.append(order[start:i])
+            start = i
+    return groups + [order[start:]] if len(order) else groups
+
+
+def embed(model, texts: list[str], sub_batch: int | None = None) -> np.ndarray:
     """Sentence embeddings of texts: (len(texts), d) float32, L2-normalised.
 
     Texts are sorted by their length in the embedder's own tokens and run in sub-batches padded
@@ -52,7 +73,8 @@ def embed(model, texts: list[str], sub_batch: int = SUB_BATCH) -> np.ndarray:
     and about a fifth in any larger job (a chunk's characters say little about its WordPiece
     count); sorted by tokens, 16% in jobs of 64 and 2% in jobs of 1,024 (docs/benchmarks.md).
     A plain-torch BERT (retrieval/bert.py) tokenizes each text once; a SentenceTransformer
-    tokenizes to sort and again to embed.
+    tokenizes to sort and again to embed. sub_batch: texts per forward (None: the model's
+    device's, `sub_batches`).
     """
     import torch
 
@@ -72,10 +94,8 @@ def embed(model, texts: list[str], sub_batch: int = SUB_BATCH) -> np.ndarray:
         def pooled(idx):
             return model(batch_to_device(preprocess([texts[i] for i in idx]), model.device))["sentence_embedding"]
     out = np.zeros((len(texts), embedding_dim(model)), dtype=np.float32)
-    order = np.argsort(lengths, kind="stable")
     with torch.inference_mode():
-        for start in range(0, len(texts), sub_batch):
-            idx = order[start:start + sub_batch]
+        for idx in sub_batches(lengths, getattr(model, "device", "cpu"), sub_batch):
             out[idx] = torch.nn.functional.normalize(pooled(idx).float(), dim=-1).cpu().numpy()
     return out
 
@@ -124,7 +144,7 @@ class EmbedSpec:
     data_dirs: tuple[str, ...]  # the chunk stores, indexed by EmbedJob.part
     model_path: str
     tokenizer: str
-    sub_batch: int = SUB_BATCH
+    sub_batch: int | None = None  # texts per forward; None: the embedding device's (sub_batches)
     # The hub id when retrieval.embedder is one: a node without model_path fetches it by commit.
     hub_name: str | None = None
     # The embedder's precision, resolved once for the whole build (retrieval.embed_precision).
@@ -140,7 +160,7 @@ def runner_precision(runner, precision: str) -> str:
     return resolve(precision) if resolve else resolve_embed_precision(precision, "cpu")
 
 
-def embed_job(model, store: ChunkStore, encoding, job: EmbedJob, sub_batch: int = SUB_BATCH) -> np.ndarray:
+def embed_job(model, store: ChunkStore, encoding, job: EmbedJob, sub_batch: int | None = None) -> np.ndarray:
     """(stop - start, d) float16 embeddings of one job's chunks (`store`: the job's part); the
     rows of the chunks it skips (copies of earlier ones) are zeros."""
     split = store.split(job.split)

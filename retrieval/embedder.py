@@ -146,7 +146,10 @@ def load_embedder(path: Path, device: str = "cpu", threads: int | None = None, p
     local_files_only: the directory is complete (bundled, a user's, or a resolved hub snapshot), so
     nothing may touch the network, whatever HF_HUB_OFFLINE says (no hang on a network timeout).
     """
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one actor per core: no tokenizer threads
+    if not str(device).startswith("cuda"):
+        # One actor per core: the tokenizer's threads would only contend. On a GPU a tokenizer
+        # on one thread bounds the embedder: about 3x fewer chunks/s on an H200 (docs/benchmarks.md).
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
 
     from retropipe.retrieval.bert import load_plain_bert

@@ -250,3 +250,25 @@ def test_a_database_build_checks_its_index_without_loading_the_model(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "embeddings")], cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.split() == ["384", "False"], proc.stdout + proc.stderr[-2000:]
+
+
+def test_sub_batches_by_count_on_a_cpu_and_by_padded_tokens_on_a_gpu():
+    """A CPU's forwards take SUB_BATCH texts; a GPU's as many as fit GPU_SUB_BATCH_TOKENS padded
+    tokens, so a job's longest texts go in small groups of their own instead of padding a big one."""
+    from retropipe.retrieval.embed import GPU_SUB_BATCH_TOKENS, SUB_BATCH, sub_batches
+
+    rng = np.random.default_rng(0)
+    lengths = np.concatenate([rng.integers(20, 60, 1000), [250, 240, 120]])     # a few long texts
+    order = np.argsort(lengths, kind="stable")
+    cpu = sub_batches(lengths, "cpu")
+    assert [len(g) for g in cpu] == [SUB_BATCH] * (len(lengths) // SUB_BATCH) + [len(lengths) % SUB_BATCH]
+    np.testing.assert_array_equal(np.concatenate(cpu), order)
+    gpu = sub_batches(lengths, "cuda:0")
+    np.testing.assert_array_equal(np.concatenate(gpu), order)                    # every text once, shortest first
+    def padded(groups):
+        return [len(g) * lengths[g].max() for g in groups]
+    assert max(padded(gpu)) <= GPU_SUB_BATCH_TOKENS and len(gpu) <= 4
+    # 512 at a time, the group of the three long texts would be padded to 250 tokens a text
+    assert sum(padded(gpu)) < 0.5 * sum(padded(sub_batches(lengths, "cuda", sub_batch=512)))
+    assert [len(g) for g in sub_batches(lengths, "cuda", sub_batch=100)][:2] == [100, 100]
+    assert sub_batches([], "cuda") == [] and [list(g) for g in sub_batches([7], "cuda")] == [[0]]
