@@ -91,7 +91,11 @@ class RayExecutor:
             address = self.address or os.environ.get("RAY_ADDRESS") or None
             quiet = {"logging_level": logging.WARNING, "log_to_driver": True}
             if address is None:
-                ray.init(address="local", include_dashboard=False, num_cpus=self.num_cpus, **quiet)
+                # No metrics: nothing here reads them (no dashboard), and Ray's metrics thread could
+                # crash a worker as Ray reaped it, a segmentation fault printed mid-build
+                # (ray-project/ray#36885 and its kin; seen once in `make demo`).
+                ray.init(address="local", include_dashboard=False, num_cpus=self.num_cpus,
+                         _system_config={"enable_metrics_collection": False}, **quiet)
             else:
                 check_reachable(address)
                 try:
