@@ -42,7 +42,7 @@ MANIFEST_VERSION = 1
 # big enough (16 × ~50 tokens) that the matmuls stay efficient on CPU.
 SUB_BATCH = 16
 # On a GPU a forward takes as many texts as fit this many tokens padded: 16 texts (~800 tokens)
-# left all-MiniLM-L6-v2 waiting on its kernel launches (an H100 at 1% of its fp16 peak, no faster
+# left all-MiniLM-L6-v2 waiting on its kernel launches (an H100 under 1% of its fp16 peak, no faster
 # in fp16 than in fp32), and a fixed count of 512 padded the group holding a job's longest texts
 # to them (48% of the tokens fed were padding). docs/benchmarks.md, "GPU: one NVIDIA H200".
 GPU_SUB_BATCH_TOKENS = 32768
