@@ -293,48 +293,6 @@ def test_the_lookups_gradient_is_added_in_place_and_equals_the_embeddings():
         assert lookup(mine, ids[0]).grad_fn is None
 
 
-def test_the_lookup_hands_a_sparse_gradient_to_the_fused_heads_dense_one_in_the_same_backward():
-    """One process holding both tied uses (the lookup and the fused head, as a single-stage run):
-    the head's dense gradient of the weight is in the same backward, so the lookup's is sparse
-    from the first micro-batch on (no (V, d) zeros of its own), and .grad comes out dense and equal
-    to F.embedding's and F.linear's. A head's gradient from an earlier backward does not count."""
-    import torch.nn.functional as F
-
-    from retropipe.training.models.lm_head import lm_loss
-
-    def lookup_node(t):                                   # the _Lookup's node in t's graph
-        stack, seen = [t.grad_fn], set()
-        while stack:
-            node = stack.pop()
-            if node is not None and node not in seen:
-                seen.add(node)
-                if type(node).__name__ == "_LookupBackward":
-                    return node
-                stack.extend(f for f, _ in node.next_functions)
-
-    torch.manual_seed(0)
-    model = GPT2(tiny(), fused_head=True)
-    ref = GPT2(tiny())
-    ref.load_state_dict(model.state_dict())
-    returned = []
-    for x in (torch.randint(0, 101, (2, 16)) for _ in range(3)):
-        loss = lm_loss(model.hidden(x), model.wte.weight, x)
-        lookup_node(loss).register_hook(lambda grads, _: returned.append(grads[1].is_sparse))
-        loss.backward()
-        ref_h = ref.ln_f(ref.blocks[2](ref.blocks[1](ref.blocks[0](ref.wpe(F.embedding(x, ref.wte.weight))))))
-        loss_fn(F.linear(ref_h, ref.wte.weight), x).backward()
-    assert returned == [True, True, True] and not model.wte.weight.grad.is_sparse
-    torch.testing.assert_close(model.wte.weight.grad, ref.wte.weight.grad, rtol=1e-5, atol=1e-7)
-    # The head's backward alone, then the lookup's alone with no .grad: a dense gradient.
-    model.wte.weight.grad = None
-    lm_loss(model.hidden(x).detach(), model.wte.weight, x).backward()
-    model.wte.weight.grad = None
-    out = model.hidden(x).sum()
-    lookup_node(out).register_hook(lambda grads, _: returned.append(grads[1].is_sparse))
-    out.backward()
-    assert returned[-1] is False and not model.wte.weight.grad.is_sparse
-
-
 def test_the_token_embedding_starts_at_the_configured_std_in_every_form():
     """model.embedding_init_std: the monolithic model and the layer list (what a pipeline stage
     builds) start the tied embedding alike; the tiny configs take 0.1; ≤ 0 is refused."""

@@ -31,7 +31,7 @@ from einops import rearrange
 from retropipe.training.models.cache import DecodeCache, DecodeStep, LayerCache
 from retropipe.training.models.config import ModelConfig
 from retropipe.training.models.layers import LayerDesc, build_layers, run_layers
-from retropipe.training.models.lm_head import HEAD_GRADIENT_TASK, IGNORE_INDEX, SliceBuffers, graph_task_id, lm_loss
+from retropipe.training.models.lm_head import IGNORE_INDEX, SliceBuffers, lm_loss
 
 
 def init_weights(module: nn.Module, n_layer: int) -> None:
@@ -73,15 +73,12 @@ class _Lookup(torch.autograd.Function):
     A dense embedding gradient is 77 MB at GPT-2's vocabulary and d = 384: written as zeros,
     scattered into, then read and added to `.grad` once more for every micro-batch, while the rows
     it changes are a few thousand. On a CPU pipeline stage that memory traffic, contending with the
-    other stage's head, was the largest cost after the matmuls (docs/benchmarks.md). So this
-    returns a sparse gradient wherever a dense one is there to take it: the weight's `.grad` (from
-    an earlier backward: an earlier micro-batch of the step), which autograd adds it into in place
-    (`dense += sparse`, its accumulation hooks, DeepSpeed's, still run); or the fused head's
-    gradient of the same tied weight in this same backward (lm_head.HEAD_GRADIENT_TASK: one
-    process holding both; a 12 × 384 RETRO step then faults in 21,000 fewer pages, 1.02× on the
-    AVX2-only EPYC). Otherwise it returns a dense one, so `.grad` is never sparse: so in bf16, where
-    DeepSpeed hands each micro-batch's gradient to its fp32 copy and lets `.grad` go
-    (training/pipeline/deepspeed_config.py), on a pipeline stage without the head.
+    other stage's head, was the largest cost after the matmuls (docs/benchmarks.md). So once the
+    weight holds a dense gradient (from an earlier backward: an earlier micro-batch of the step),
+    this returns a sparse one: autograd adds it in place (`dense += sparse`), its accumulation
+    hooks (DeepSpeed's) still run, and `.grad` stays dense. While `.grad` is None it returns a
+    dense gradient, so `.grad` is never sparse: so in bf16, where DeepSpeed hands each
+    micro-batch's gradient to its fp32 copy and lets `.grad` go (training/pipeline/deepspeed_config.py).
     """
 
     @staticmethod
@@ -99,10 +96,7 @@ class _Lookup(torch.autograd.Function):
         weight = ctx.weight
         rows, flat = ids.reshape(-1).long(), grad.reshape(-1, grad.shape[-1])          # (b·n,), (b·n, d)
         held = weight.grad
-        task = graph_task_id()
-        head_joins = task >= 0 and getattr(weight, HEAD_GRADIENT_TASK, -1) == task and grad.dtype == weight.dtype
-        if (held is None and not head_joins) or (held is not None and (
-                held.is_sparse or held.dtype != grad.dtype or held.device != grad.device)):
+        if held is None or held.is_sparse or held.dtype != grad.dtype or held.device != grad.device:
             return None, torch.zeros(weight.shape, dtype=grad.dtype, device=grad.device).index_add_(0, rows, flat)
         return None, torch.sparse_coo_tensor(rows.unsqueeze(0), flat, weight.shape, check_invariants=False)
 

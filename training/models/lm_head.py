@@ -35,19 +35,6 @@ GPU_SLICE_TOKENS = 4096
 GPU_VOCAB_MULTIPLE = 64
 
 
-# Set on the tied weight by the head's backward: the backward pass (`graph_task_id`) in which the
-# head's dense gradient of the weight is on its way to autograd's sum for it. The lookup of the
-# same weight (gpt2._Lookup), whose backward comes later in that pass, then hands over a sparse
-# gradient to be added into the head's instead of a dense (V, d) one of its own.
-HEAD_GRADIENT_TASK = "_head_gradient_task"
-
-
-def graph_task_id() -> int:
-    """The id of the backward pass running now; -1 outside one (or where torch cannot say)."""
-    current = getattr(torch._C, "_current_graph_task_id", None)
-    return current() if current is not None else -1
-
-
 def slice_tokens_for(device: torch.device) -> int:
     return GPU_SLICE_TOKENS if device.type == "cuda" else SLICE_TOKENS
 
@@ -105,7 +92,6 @@ class _FusedLMLoss(torch.autograd.Function):
         # h (N, d), weight (V, d), labels (N,) with IGNORE_INDEX for no target.
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ctx.h_dtype, ctx.w_dtype = h.dtype, weight.dtype
-        ctx.weight = weight if want_w else None
         vocab = weight.shape[0]
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         # Matmuls in h's precision (bf16 under mixed precision) or autocast's (the `out=` matmuls
@@ -146,7 +132,6 @@ class _FusedLMLoss(torch.autograd.Function):
         dh = grad_h.mul_(grad_output.to(grad_h.dtype)) if grad_h is not None else None          # h's dtype
         if grad_w is not None:
             dw = grad_w.mul_(grad_output) if grad_w.dtype == ctx.w_dtype else (grad_w * grad_output).to(ctx.w_dtype)
-            setattr(ctx.weight, HEAD_GRADIENT_TASK, graph_task_id())
         else:
             dw = None
         return dh, dw, None, None, None
