@@ -52,8 +52,10 @@ def sub_batches(lengths: list[int], device, sub_batch: int | None = None) -> lis
     """The texts of each forward, as indices into lengths (each text's tokens), shortest first:
     `sub_batch` texts at a time where given; else SUB_BATCH on a CPU, and on a GPU as many as
     fit GPU_SUB_BATCH_TOKENS tokens padded to the group's longest."""
+    if sub_batch is not None and sub_batch < 1:
+        raise ValueError(f"sub_batch {sub_batch}: texts per forward must be at least 1")
     order = np.argsort(lengths, kind="stable")
-    if sub_batch or not str(device).startswith("cuda"):
+    if sub_batch is not None or not str(device).startswith("cuda"):
         n = sub_batch or SUB_BATCH
         return [order[s:s + n] for s in range(0, len(order), n)]
     groups, start = [], 0

@@ -272,3 +272,6 @@ def test_sub_batches_by_count_on_a_cpu_and_by_padded_tokens_on_a_gpu():
     assert sum(padded(gpu)) < 0.5 * sum(padded(sub_batches(lengths, "cuda", sub_batch=512)))
     assert [len(g) for g in sub_batches(lengths, "cuda", sub_batch=100)][:2] == [100, 100]
     assert sub_batches([], "cuda") == [] and [list(g) for g in sub_batches([7], "cuda")] == [[0]]
+    for bad in (0, -4):                                  # not a silent run of no forward at all
+        with pytest.raises(ValueError, match="sub_batch"):
+            sub_batches(lengths, "cpu", sub_batch=bad)
