@@ -54,12 +54,13 @@ def sub_batches(lengths: list[int], device, sub_batch: int | None = None) -> lis
     fit GPU_SUB_BATCH_TOKENS tokens padded to the group's longest."""
     if sub_batch is not None and sub_batch < 1:
         raise ValueError(f"sub_batch {sub_batch}: texts per forward must be at least 1")
+    lengths = np.asarray(lengths, dtype=np.int64)
     order = np.argsort(lengths, kind="stable")
     if sub_batch is not None or not str(device).startswith("cuda"):
         n = sub_batch or SUB_BATCH
         return [order[s:s + n] for s in range(0, len(order), n)]
     groups, start = [], 0
-    for i, n in enumerate(np.asarray(lengths, dtype=np.int64)[order]):
+    for i, n in enumerate(lengths[order]):
         if i > start and (i + 1 - start) * n > GPU_SUB_BATCH_TOKENS:
             groups.append(order[start:i])
             start = i
