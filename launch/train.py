@@ -194,6 +194,10 @@ def train(cfg, store, neighbours, run_dir: Path, start, rank: int, progress: boo
               f"partition {parts} (GFLOPs per stage {costs})")
         for s, names in enumerate(layers):
             print(f"  stage {s}: {', '.join(names)}")
+        if cfg.train.compile:
+            print("compile: each stage's blocks through torch.compile, compiled at the first step"
+                  + ("; TORCHDYNAMO_DISABLE=1 is set, so they run eager" if os.environ.get("TORCHDYNAMO_DISABLE") == "1"
+                     else ""))
     result = trainer.fit()
     try:
         drift = check_tied_weights(pipe, "at the end of training", trainer.dtype)

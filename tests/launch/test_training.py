@@ -13,9 +13,8 @@ import torch
 from retropipe.data.errors import ConfigError, DataError
 from retropipe.data.prepare import prepare
 from retropipe.launch.config import load_config
-from tests.corpora import build_workdir
-from tests.distributed import (PORT_TAKEN, ROOT, assert_mfu_counts_the_heads_work_on_targets_only,
-                               changed_layer_tensors, free_port, read_tensorboard, train)
+from tests.distributed import (PORT_TAKEN, ROOT, assert_mfu_counts_the_heads_work_on_targets_only, free_port,
+                               read_tensorboard, train)
 
 # A model small enough that a step takes a fraction of a second on one core.
 TINY = ["data.chunk_len=16", "data.max_documents=300", "data.validation_fraction=0.1", "train.seq_len=64",
@@ -108,6 +107,25 @@ def test_two_stages_equal_one_stage(workdir, reference_run):
     assert one.keys() == two.keys()
     for step in one:
         assert abs(one[step] - two[step]) < 1e-4, (step, one[step], two[step])
+
+
+@pytest.mark.slow
+def test_compiled_blocks_train_as_the_eager_ones(workdir, reference_run, tmp_path):
+    # train.compile: each stage's blocks through torch.compile (C++ from inductor on a CPU), the
+    # rest eager. The other runs here leave dynamo off (TORCHDYNAMO_DISABLE, to skip its import);
+    # this one turns it on, and inductor's cache shows the blocks were built, not run eager.
+    cache = tmp_path / "inductor"
+    code, log = train(2, ["--config", "configs/tiny-gpt2.yaml", "--no-progress",
+                          *sets(f"workdir={workdir}", "train.name=compiled", "train.compile=true")],
+                      workdir / "logs-compiled", timeout=400,
+                      env={"TORCHDYNAMO_DISABLE": "0", "TORCHINDUCTOR_CACHE_DIR": str(cache)})
+    assert code == 0, log[-3000:]
+    assert "compile: each stage's blocks through torch.compile" in log and "run eager" not in log
+    assert any(cache.rglob("*.so")), "inductor built no kernel"
+    compiled, eager = losses(workdir / "runs" / "compiled"), losses(reference_run[0])
+    assert compiled.keys() == eager.keys()
+    for step in compiled:  # the same training to float rounding (fused kernels sum in another order)
+        assert abs(compiled[step] - eager[step]) < 1e-4, (step, compiled[step], eager[step])
 
 
 @pytest.mark.slow
@@ -285,84 +303,6 @@ def test_misconfigurations_are_refused_before_any_work(workdir):
                            *sets(f"workdir={workdir}", "train.pipeline_stages=3")], cwd=ROOT,
                           capture_output=True, text=True, env={**os.environ, "WORLD_SIZE": "2", "RANK": "0"})
     assert proc.returncode == 2 and "train.pipeline_stages" in proc.stderr
-
-
-# --- RETRO: neighbours from a real retrieval database --------------------------------------------
-
-@pytest.fixture(scope="module")
-def retro_workdir(tmp_path_factory):
-    """A smaller corpus with its retrieval database (real BERT embeddings, FAISS Flat)."""
-    wd = tmp_path_factory.mktemp("retro")
-    build_workdir(load_config(ROOT / "configs" / "tiny-retro.yaml", [f"workdir={wd}", *TINY, "data.max_documents=100"]))
-    return wd
-
-
-@pytest.mark.slow
-def test_retro_trains_on_two_stages_and_equals_one_stage(retro_workdir):
-    # "uniform" cuts before the first RETRO block, so the (hidden, ids, embedded neighbours) tuple
-    # crosses the stage boundary.
-    common = ["--config", "configs/tiny-retro.yaml"]
-    code, log = train(2, [*common, *sets(f"workdir={retro_workdir}", "train.name=two", "train.partition=uniform")],
-                      retro_workdir / "logs-two")
-    assert code == 0, log[-3000:]
-    assert "stage 0: wte, wpe, blocks.0\n" in log and "stage 1: blocks.1, ln_f, wte" in log, log[-2000:]
-    two = losses(retro_workdir / "runs" / "two")
-    assert sorted(two) == list(range(1, 9)) and two[8] < two[1] - 0.3, two
-    summary = json.loads((retro_workdir / "runs" / "two" / "summary.json").read_text())
-    assert summary["tied_embedding_max_diff"] == 0.0
-
-    code, log = train(1, [*common, *sets(f"workdir={retro_workdir}", "train.name=one", "train.pipeline_stages=1")],
-                      retro_workdir / "logs-one")
-    assert code == 0, log[-3000:]
-    one = losses(retro_workdir / "runs" / "one")
-    for step in one:
-        assert abs(one[step] - two[step]) < 1e-4, (step, one[step], two[step])
-
-    from retropipe.training.models.io import load_model
-    from retropipe.training.models.retro import Retro
-    model = load_model(retro_workdir / "runs" / "two" / "model")
-    assert isinstance(model, Retro)
-    nbrs = torch.full((1, 4, 2, 32), 7, dtype=torch.int64)
-    assert model(torch.zeros(1, 64, dtype=torch.int64), nbrs).shape == (1, 64, 50257)
-
-
-@pytest.mark.slow
-def test_retrofit_trains_only_cca_and_encoder_on_two_stages(retro_workdir):
-    """RETRO-fit from a GPT-2 checkpoint: the trunk is frozen, each stage owns a CCA layer, and the
-    last stage's output head starts as the checkpoint's embedding (2 stages == 1 stage from step 1)."""
-    from retropipe.training.models.config import ModelConfig
-    from retropipe.training.models.gpt2 import GPT2
-    from retropipe.training.models.io import load_model, save_model
-    from retropipe.training.models.retro import is_retrieval_parameter
-
-    shape = dict(n_layer=4, n_head=2, n_embd=32, n_positions=64, chunk_len=16)
-    torch.manual_seed(0)
-    gpt2 = GPT2(ModelConfig(kind="gpt2", **shape))
-    save_model(gpt2, retro_workdir / "gpt2")
-    fit = ["--config", "configs/tiny-retro.yaml", *sets(f"workdir={retro_workdir}", "model.n_layer=4",
-                                                           f"train.init_from={retro_workdir / 'gpt2'}",
-                                                           "model.freeze_trunk=true")]
-    code, log = train(2, [*fit, "--set", "train.name=fit"], retro_workdir / "logs-fit")
-    assert code == 0, log[-3000:]
-    fitted = load_model(retro_workdir / "runs" / "fit" / "model").state_dict()
-    trunk = gpt2.state_dict()
-    for name, value in trunk.items():
-        assert torch.equal(fitted[name], value), name  # bit for bit: the trunk never moved
-    two = losses(retro_workdir / "runs" / "fit")
-    # What the optimizer moves from step 6 to 8: every CCA and encoder tensor, no trunk weight (a
-    # random trunk predicts ~uniformly, so 8 losses on 8 batches would say nothing either way).
-    moved, names = changed_layer_tensors(retro_workdir / "runs" / "fit" / "checkpoints", "step000006", "step000008")
-    assert moved and moved == {name for name in names if is_retrieval_parameter(name)}, sorted(moved)
-    summary = json.loads((retro_workdir / "runs" / "fit" / "summary.json").read_text())
-    assert summary["tied_embedding_max_diff"] == 0.0
-
-    code, log = train(1, [*fit, "--set", "train.name=fit1", "--set", "train.pipeline_stages=1"],
-                      retro_workdir / "logs-fit1")
-    assert code == 0, log[-3000:]
-    one = losses(retro_workdir / "runs" / "fit1")
-    # A random head on the last stage would start near ln(50257) = 10.8 instead.
-    for step in one:
-        assert abs(one[step] - two[step]) < 1e-4, (step, one[step], two[step])
 
 
 def test_a_run_directory_refuses_another_run_but_not_other_stage_settings(tmp_path):

@@ -26,6 +26,7 @@ import functools
 import io
 import logging
 import os
+import shutil
 import warnings
 from pathlib import Path
 
@@ -219,6 +220,26 @@ def _frozen_tied_weights_have_no_gradient(module: RetroPipeModule) -> None:
             weight._hp_grad = None
 
 
+def compile_blocks(module: RetroPipeModule, descs: list[LayerDesc]) -> list[str]:
+    """torch.compile this stage's transformer blocks in place (train.compile); their names.
+
+    The blocks only, not every layer as `PipelineModule.compile` would: the others are lookups of
+    the tied embedding, a view of it handed to the loss and the fused head's autograd.Function,
+    around which dynamo would break its graph for nothing to fuse. On a CPU inductor builds C++,
+    so a machine without a compiler is refused here rather than at the first step."""
+    compilers = (os.environ.get("CXX"), "g++", "clang++")
+    if not torch.cuda.is_available() and not any(shutil.which(c) for c in compilers if c):
+        raise TrainingError("train.compile: torch.compile on a CPU needs a C++ compiler (g++, clang++ or $CXX); "
+                            "none was found")
+    names = []
+    for j, layer in enumerate(module.forward_funcs):
+        name = descs[module._local_start + j].name
+        if isinstance(layer, torch.nn.Module) and name.startswith("blocks."):
+            layer.compile()  # in place: the state dict keeps its names
+            names.append(name)
+    return names
+
+
 class Pipeline:
     """This rank's stage of the DeepSpeed pipeline engine, seen through what the loop needs.
 
@@ -239,6 +260,7 @@ class Pipeline:
             self.engine, *_ = deepspeed.initialize(model=module, model_parameters=groups,
                                                    config=deepspeed_config(train))
         _frozen_tied_weights_have_no_gradient(module)
+        self.compiled = compile_blocks(module, self.descs) if train.compile else []
         set_collective_timeout(train.resolved_dist_timeout("cuda" if torch.cuda.is_available() else "cpu"))
         grid = self.engine.grid
         self.dp_rank, self.dp_world = grid.get_data_parallel_rank(), grid.get_data_parallel_world_size()

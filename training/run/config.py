@@ -56,6 +56,12 @@ class TrainConfig:
     # The output head and cross-entropy fused, over slices of tokens (training/models/lm_head.py): the
     # logits of a whole micro-batch are never held at once. false = the plain path (all logits).
     fused_head: bool = True
+    # torch.compile each transformer block of a stage, in place, as DeepSpeed's
+    # PipelineModule.compile does each layer (the other layers, lookups and the fused head, stay
+    # eager): it fuses the elementwise work around the matmuls, most of RETRO's encoder on a GPU
+    # (docs/benchmarks.md). The first step compiles, on a CPU for a minute or more with a C++
+    # compiler, so it pays on GPUs and long runs, not in the demo.
+    compile: bool = False
     # Checkpoint every N steps and at the end; keep the newest K.
     checkpoint_every: int = 100
     keep_checkpoints: int = 2
