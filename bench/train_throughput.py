@@ -7,6 +7,9 @@
     # one GPU: the engine's step against the plain loop's at the same micro-batches (NCCL, 1 stage)
     python bench/train_throughput.py --device cuda --stages 1 --preset gpt2-124m --precision bf16 \
                                      --seq-len 1024 --layouts 8x16,2x16 --threads shared
+    # the same with each block through torch.compile, as train.compile trains (both sides compiled)
+    python bench/train_throughput.py --device cuda --stages 1 --preset gpt2-124m --precision bf16 \
+                                     --seq-len 1024 --layouts 8x4 --threads shared --compile
     # the host's work per micro-batch, the compute made negligible (GPT-2 small's 12 blocks at width 64):
     python bench/train_throughput.py --stages 1 --n-layer 12 --n-embd 64 --n-head 2 --vocab-size 512 \
                                      --seq-len 64 --chunk-len 16 --layouts 1x16 --precision bf16 --threads split
@@ -23,6 +26,8 @@ tokens, random tokens; RETRO gets 2 random neighbours of 2 · chunk_len tokens p
   each here); "shared" gives every process all cores with OMP_WAIT_POLICY=PASSIVE, so the core
   of a stage that waits for its neighbour works for the busy one (launch/train.py's default).
   `--fused-head` lists the LM-head paths to compare (training/models/lm_head.py; single and pipeline alike).
+  `--compile` puts each block through torch.compile in both (`compile_blocks`, train.compile); the
+  warm-up steps compile, so give it `--warmup 2` or more.
 
 Prints tokens/s of both, the largest peak RSS of a pipeline rank, their ratio (goal on a 2-core CPU: pipeline ≥ 0.85× single; the bubble
 bound is M / (M + P - 1) for M micro-batches and P stages) and MFU against the machine's matmul
@@ -45,7 +50,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+if "--compile" not in sys.argv:  # skip importing dynamo's machinery (seconds per process) where nothing compiles
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 
 def configs(args, kind: str):
@@ -86,6 +92,8 @@ def run_single(args, kind: str) -> float:
     model_cfg, train = configs(args, kind)
     device = torch.device(args.device)
     model = build_model(model_cfg, layer_seed=train.seed, fused_head=train.fused_head).train().to(device)
+    for block in model.blocks if args.compile else []:
+        block.compile()  # as compile_blocks does a stage's
     loss_of = FusedLoss() if train.fused_head else lambda logits, labels: loss_fn(logits.float(), labels)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # as training/pipeline/deepspeed_config.py
     rng = torch.Generator().manual_seed(0)
@@ -130,16 +138,18 @@ def worker(args) -> None:
     import torch
 
     from retropipe.training.pipeline.deepspeed_config import deepspeed_config
-    from retropipe.training.pipeline.deepspeed_engine import build_pipeline
+    from retropipe.training.pipeline.deepspeed_engine import build_pipeline, compile_blocks
     from retropipe.training.run.hardware import peak_memory_mb
 
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     deepspeed.init_distributed(dist_backend="nccl" if args.device == "cuda" else "gloo")
     model_cfg, train = configs(args, args.worker)
-    module, _, parts = build_pipeline(model_cfg, train)
+    module, descs, parts = build_pipeline(model_cfg, train)
     engine, *_ = deepspeed.initialize(model=module, model_parameters=[p for p in module.parameters()],
                                       config=deepspeed_config(train))
+    if args.compile:
+        compile_blocks(module, descs)
     rng = torch.Generator().manual_seed(0)
     batches = [random_micro_batch(model_cfg, train, rng) for _ in range(train.micro_batches)]
 
@@ -213,6 +223,8 @@ def main() -> None:
                         "(the same global batch cut finer shrinks the bubble); default: the two options above")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="cuda: one GPU per pipeline stage, the single loop on the first")
+    parser.add_argument("--compile", action="store_true",
+                        help="each block through torch.compile, in the single loop and the pipeline (train.compile)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.device == "cuda" and not args.worker:
@@ -239,7 +251,8 @@ def main() -> None:
     shape = configs(args, "gpt2")[0]
     print(describe())
     print(f"preset {args.preset} ({shape.n_layer} layers, width {shape.n_embd}), seq_len {args.seq_len}, "
-          f"{args.precision}; matmul peak {peak / 1e9:.1f} GFLOP/s; micro-batch layouts (size×count) "
+          f"{args.precision}{', blocks compiled' if args.compile else ''}; matmul peak {peak / 1e9:.1f} GFLOP/s; "
+          "micro-batch layouts (size×count) "
           + ", ".join(f"{b}×{m} (bubble bound M/(M+P-1) = {m / (m + p - 1):.2f})" for b, m in layouts))
     policies, heads = args.threads.split(","), args.fused_head.split(",")
     rows = []
