@@ -70,7 +70,7 @@ def preflight(cfg, world_size: int):
     exists; returns the chunk store, the neighbours (RETRO) and the pipeline cut."""
     from retropipe.data.store import ChunkStore
     from retropipe.training.models.build import layer_list
-    from retropipe.training.run.hardware import gpu_has_bf16, local_gpu, local_processes, too_few_gpus
+    from retropipe.training.run.hardware import gpu_has_bf16, inductor_cxx, local_gpu, local_processes, too_few_gpus
 
     t = as_run(cfg).train
     if world_size % t.pipeline_stages:
@@ -92,6 +92,9 @@ def preflight(cfg, world_size: int):
         crowded = too_few_gpus(local_processes(os.environ, world_size), torch.cuda.device_count())
         if crowded:
             raise TrainingError(crowded)
+    if t.compile and not cuda and os.environ.get("TORCHDYNAMO_DISABLE") != "1" and inductor_cxx() is None:
+        raise ConfigError("train.compile", "torch.compile on a CPU builds C++ with $CXX or g++, and neither is "
+                          "on PATH (install g++, set CXX, or leave train.compile false)")
     if t.precision == "fp16" and not cuda:
         raise ConfigError("train.precision", "fp16 needs a GPU; this machine has none (use bf16 or fp32)")
     if t.precision == "bf16" and cuda and not gpu_has_bf16(torch.cuda.get_device_capability(local_gpu())):
@@ -194,10 +197,11 @@ def train(cfg, store, neighbours, run_dir: Path, start, rank: int, progress: boo
               f"partition {parts} (GFLOPs per stage {costs})")
         for s, names in enumerate(layers):
             print(f"  stage {s}: {', '.join(names)}")
-        if cfg.train.compile:
-            print("compile: each stage's blocks through torch.compile, compiled at the first step"
-                  + ("; TORCHDYNAMO_DISABLE=1 is set, so they run eager" if os.environ.get("TORCHDYNAMO_DISABLE") == "1"
-                     else ""))
+    if cfg.train.compile and pipe.dp_rank == 0:  # a line per stage: what compiles at its first step
+        off = os.environ.get("TORCHDYNAMO_DISABLE") == "1"
+        eager = "; TORCHDYNAMO_DISABLE=1 is set, so they run eager" if off else ""
+        print(f"compile: stage {pipe.stage}: {', '.join(pipe.compiled) or 'no block'} through torch.compile{eager}",
+              flush=True)
     result = trainer.fit()
     try:
         drift = check_tied_weights(pipe, "at the end of training", trainer.dtype)

@@ -24,7 +24,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(nproc: int, args: list[str], log_dir: Path, env: dict | None = None) -> list[subprocess.Popen]:
+def spawn(nproc: int, args: list[str], log_dir: Path, env: dict | None = None,
+          rank_env: dict[int, dict] | None = None) -> list[subprocess.Popen]:
     port = free_port()
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc),
            "LOCAL_WORLD_SIZE": str(nproc), "LOCAL_SIZE": str(nproc), "DS_ACCELERATOR": "cpu",
@@ -35,7 +36,8 @@ def spawn(nproc: int, args: list[str], log_dir: Path, env: dict | None = None) -
         log = open(log_dir / f"rank{rank}.log", "w")
         procs.append(subprocess.Popen([sys.executable, "launch/train.py", *args], cwd=ROOT, stdout=log,
                                       stderr=subprocess.STDOUT, start_new_session=True,
-                                      env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}))
+                                      env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank),
+                                           **(rank_env or {}).get(rank, {})}))
     return procs
 
 
@@ -68,11 +70,12 @@ def wait(procs: list[subprocess.Popen], timeout: float = 300) -> int:
 PORT_TAKEN = "EADDRINUSE"
 
 
-def train(nproc: int, args: list[str], log_dir: Path, timeout: float = 300, env: dict | None = None) -> tuple[int, str]:
+def train(nproc: int, args: list[str], log_dir: Path, timeout: float = 300, env: dict | None = None,
+          rank_env: dict[int, dict] | None = None) -> tuple[int, str]:
     """Exit code and the ranks' logs of launch/train.py on nproc processes; env adds variables
-    or overrides spawn's (TORCHDYNAMO_DISABLE=0 lets a run compile)."""
+    or overrides spawn's (TORCHDYNAMO_DISABLE=0 lets a run compile), rank_env one rank's."""
     for _ in range(3):
-        code = wait(spawn(nproc, args, log_dir, env), timeout)
+        code = wait(spawn(nproc, args, log_dir, env, rank_env), timeout)
         log = "\n".join((log_dir / f"rank{r}.log").read_text() for r in range(nproc))
         if code == 0 or PORT_TAKEN not in log:
             break

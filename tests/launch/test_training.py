@@ -13,6 +13,7 @@ import torch
 from retropipe.data.errors import ConfigError, DataError
 from retropipe.data.prepare import prepare
 from retropipe.launch.config import load_config
+from retropipe.training.run.hardware import inductor_cxx
 from tests.distributed import (PORT_TAKEN, ROOT, assert_mfu_counts_the_heads_work_on_targets_only, free_port,
                                read_tensorboard, train)
 
@@ -110,18 +111,23 @@ def test_two_stages_equal_one_stage(workdir, reference_run):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(inductor_cxx() is None, reason="torch.compile on a CPU needs g++ (or $CXX)")
 def test_compiled_blocks_train_as_the_eager_ones(workdir, reference_run, tmp_path):
     # train.compile: each stage's blocks through torch.compile (C++ from inductor on a CPU), the
-    # rest eager. The other runs here leave dynamo off (TORCHDYNAMO_DISABLE, to skip its import);
-    # this one turns it on, and inductor's cache shows the blocks were built, not run eager.
-    cache = tmp_path / "inductor"
+    # rest eager; a uniform cut puts a block on each stage, the second behind the cut's unpacking.
+    # The other runs here leave dynamo off (TORCHDYNAMO_DISABLE, to skip its import); this one
+    # turns it on, and each rank's inductor cache shows its blocks were built, not run eager.
+    caches = {rank: tmp_path / f"inductor{rank}" for rank in (0, 1)}
     code, log = train(2, ["--config", "configs/tiny-gpt2.yaml", "--no-progress",
-                          *sets(f"workdir={workdir}", "train.name=compiled", "train.compile=true")],
-                      workdir / "logs-compiled", timeout=400,
-                      env={"TORCHDYNAMO_DISABLE": "0", "TORCHINDUCTOR_CACHE_DIR": str(cache)})
+                          *sets(f"workdir={workdir}", "train.name=compiled", "train.compile=true",
+                                "train.partition=uniform")],
+                      workdir / "logs-compiled", timeout=400, env={"TORCHDYNAMO_DISABLE": "0"},
+                      rank_env={rank: {"TORCHINDUCTOR_CACHE_DIR": str(c)} for rank, c in caches.items()})
     assert code == 0, log[-3000:]
-    assert "compile: each stage's blocks through torch.compile" in log and "run eager" not in log
-    assert any(cache.rglob("*.so")), "inductor built no kernel"
+    assert "compile: stage 0: blocks.0 through torch.compile\n" in log, log[-2000:]
+    assert "compile: stage 1: blocks.1 through torch.compile\n" in log, log[-2000:]
+    for rank, cache in caches.items():
+        assert any(cache.rglob("*.so")), f"rank {rank}: inductor built no kernel"
     compiled, eager = losses(workdir / "runs" / "compiled"), losses(reference_run[0])
     assert compiled.keys() == eager.keys()
     for step in compiled:  # the same training to float rounding (fused kernels sum in another order)
@@ -264,7 +270,7 @@ def test_a_branch_continues_another_runs_checkpoint_exactly(workdir, reference_r
     assert json.loads((run_dir / "checkpoints" / "latest.json").read_text())["step"] == 8  # its own now
 
 
-def test_misconfigurations_are_refused_before_any_work(workdir):
+def test_misconfigurations_are_refused_before_any_work(workdir, monkeypatch):
     from retropipe.launch.train import preflight
 
     def cfg(*overrides, config="tiny-gpt2.yaml"):
@@ -289,6 +295,13 @@ def test_misconfigurations_are_refused_before_any_work(workdir):
         preflight(cfg(config="tiny-retro.yaml"), 2)
     with pytest.raises(ConfigError, match="every stage a RETRO"):  # 2 layers hold a single CCA layer
         preflight(cfg("model.freeze_trunk=true", f"train.init_from={workdir}", config="tiny-retro.yaml"), 2)
+    if not torch.cuda.is_available():  # inductor builds C++ on a CPU: no compiler, no compiling
+        monkeypatch.setenv("CXX", str(workdir / "no-such-compiler"))
+        monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
+        with pytest.raises(ConfigError, match=r"'train\.compile': .*neither is on PATH"):
+            preflight(cfg("train.compile=true"), 2)
+        monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")  # dynamo off: the blocks run eager, nothing to refuse
+        preflight(cfg("train.compile=true"), 2)
     # The command line: one line on stderr naming the key, exit code 2, no process group started,
     # nothing written.
     for bad, key in ((f"train.init_from={workdir / 'no-such-model'}", "train.init_from"),

@@ -26,7 +26,6 @@ import functools
 import io
 import logging
 import os
-import shutil
 import warnings
 from pathlib import Path
 
@@ -225,12 +224,8 @@ def compile_blocks(module: RetroPipeModule, descs: list[LayerDesc]) -> list[str]
 
     The blocks only, not every layer as `PipelineModule.compile` would: the others are lookups of
     the tied embedding, a view of it handed to the loss and the fused head's autograd.Function,
-    around which dynamo would break its graph for nothing to fuse. On a CPU inductor builds C++,
-    so a machine without a compiler is refused here rather than at the first step."""
-    compilers = (os.environ.get("CXX"), "g++", "clang++")
-    if not torch.cuda.is_available() and not any(shutil.which(c) for c in compilers if c):
-        raise TrainingError("train.compile: torch.compile on a CPU needs a C++ compiler (g++, clang++ or $CXX); "
-                            "none was found")
+    around which dynamo would break its graph for nothing to fuse. (launch/train.py refuses a CPU
+    without the C++ compiler inductor needs before any of this.)"""
     names = []
     for j, layer in enumerate(module.forward_funcs):
         name = descs[module._local_start + j].name

@@ -10,9 +10,17 @@ times slower without).
 from __future__ import annotations
 
 import os
+import shutil
+import sys
 import time
 
 from retropipe.data.cpu import CPU_FLAGS, HELD_KERNEL_VARIABLES, cpu_flags, cpu_has_bf16, cpu_model
+
+def inductor_cxx() -> str | None:
+    """The C++ compiler torch.compile's inductor runs on a CPU, where it is on PATH: $CXX, else g++
+    (clang++ on macOS), as inductor's own config picks it; None where it is missing."""
+    return shutil.which(os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++"))
+
 
 def gpu_has_bf16(capability: tuple[int, int]) -> bool:
     """bf16 matmuls in hardware: compute capability 8.0 (Ampere) and newer. Older GPUs emulate
