@@ -298,4 +298,3 @@ def test_a_resumed_optimizer_takes_this_runs_settings_and_the_fused_step_runs():
         return p.detach()
 
     torch.testing.assert_close(resumed(True), resumed(False))
-

@@ -58,9 +58,9 @@ class TrainConfig:
     fused_head: bool = True
     # torch.compile each transformer block of a stage, in place, as DeepSpeed's
     # PipelineModule.compile does each layer (the other layers, lookups and the fused head, stay
-    # eager): it fuses the elementwise work around the matmuls, most of RETRO's encoder on a GPU
-    # (docs/benchmarks.md). The first step compiles, on a CPU for a minute or more with a C++
-    # compiler, so it pays on GPUs and long runs, not in the demo.
+    # eager): it fuses the elementwise work around the matmuls, most of RETRO's encoder on a GPU.
+    # The first step compiles (on a CPU a minute or more, with a C++ compiler); on a CPU it gains
+    # nothing measurable (docs/benchmarks.md), so it is for GPUs.
     compile: bool = False
     # Checkpoint every N steps and at the end; keep the newest K.
     checkpoint_every: int = 100
