@@ -10,6 +10,7 @@
     # the same with each block through torch.compile, as train.compile trains (both sides compiled)
     python bench/train_throughput.py --device cuda --stages 1 --preset gpt2-124m --precision bf16 \
                                      --seq-len 1024 --layouts 8x4 --threads shared --compile
+    # where each side's step goes (add --profile): host operators, and on a GPU its busy time and kernels
     # the host's work per micro-batch, the compute made negligible (GPT-2 small's 12 blocks at width 64):
     python bench/train_throughput.py --stages 1 --n-layer 12 --n-embd 64 --n-head 2 --vocab-size 512 \
                                      --seq-len 64 --chunk-len 16 --layouts 1x16 --precision bf16 --threads split
@@ -18,7 +19,8 @@ Same model, same seeds, same global batch (micro_batch_size × micro_batches seq
 tokens, random tokens; RETRO gets 2 random neighbours of 2 · chunk_len tokens per chunk):
 
 - single: `build_model(cfg, layer_seed=seed)` + AdamW with gradient accumulation, one process using
-  every core (bf16 via autocast);
+  every core; bf16 as DeepSpeed's bf16 mode trains: a bf16 model whose gradients are added to fp32
+  ones after each micro-batch, and AdamW over an fp32 master copy, copied back after its step;
 - pipeline: `build_pipeline` + `deepspeed.initialize`, `--stages` stages on as many processes
   over gloo (NCCL with `--device cuda`, one GPU per stage), exactly what launch/train.py runs,
   minus data loading. `--threads` lists the
@@ -28,6 +30,8 @@ tokens, random tokens; RETRO gets 2 random neighbours of 2 · chunk_len tokens p
   `--fused-head` lists the LM-head paths to compare (training/models/lm_head.py; single and pipeline alike).
   `--compile` puts each block through torch.compile in both (`compile_blocks`, train.compile); the
   warm-up steps compile, so give it `--warmup 2` or more.
+  `--profile` runs one more step of each under the torch profiler and prints where it went: the
+  host's operators by self time and, on a GPU, how long the GPU was busy and its top kernels.
 
 Prints tokens/s of both, the largest peak RSS of a pipeline rank, their ratio (goal on a 2-core CPU: pipeline ≥ 0.85× single; the bubble
 bound is M / (M + P - 1) for M micro-batches and P stages) and MFU against the machine's matmul
@@ -91,28 +95,44 @@ def run_single(args, kind: str) -> float:
     torch.set_num_threads(os.cpu_count() or 1)
     model_cfg, train = configs(args, kind)
     device = torch.device(args.device)
-    model = build_model(model_cfg, layer_seed=train.seed, fused_head=train.fused_head).train().to(device)
+    bf16 = args.precision == "bf16"
+    model = build_model(model_cfg, layer_seed=train.seed, fused_head=train.fused_head).train()
+    model.to(device, torch.bfloat16 if bf16 else torch.float32)
     for block in model.blocks if args.compile else []:
         block.compile()  # as compile_blocks does a stage's
     loss_of = FusedLoss() if train.fused_head else lambda logits, labels: loss_fn(logits.float(), labels)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # as training/pipeline/deepspeed_config.py
+    params = list(model.parameters())
+    # bf16 as DeepSpeed's BF16_Optimizer: fp32 master weights and gradients (immediate_grad_update).
+    master = [p.detach().float().requires_grad_() for p in params] if bf16 else params
+    opt = torch.optim.AdamW(master, lr=1e-4, fused=True)  # as training/pipeline/deepspeed_config.py
     rng = torch.Generator().manual_seed(0)
     batches = [to_device(random_micro_batch(model_cfg, train, rng), device) for _ in range(train.micro_batches)]
+
+    def step():
+        for inputs, labels in batches:
+            outputs = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
+            (loss_of(outputs, labels) / train.micro_batches).backward()
+            for m, p in zip(master, params) if bf16 else []:
+                m.grad = p.grad.float() if m.grad is None else m.grad.add_(p.grad)
+                p.grad = None
+        torch.nn.utils.clip_grad_norm_(master, train.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if bf16:
+            with torch.no_grad():
+                torch._foreach_copy_(params, master)
+
     times = []
     for _ in range(args.warmup + args.steps):
         synchronize(device)
         t0 = time.perf_counter()
-        for inputs, labels in batches:
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
-                outputs = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
-            (loss_of(outputs, labels) / train.micro_batches).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        step()
         synchronize(device)
         times.append(time.perf_counter() - t0)
+    if args.profile:
+        print(profiled(step, device, f"single loop, {kind}"), flush=True)
     tokens = train.micro_batch_size * train.micro_batches * train.seq_len
-    del model, opt, batches, loss_of   # the fused head keeps its slice buffers
+    del model, opt, batches, loss_of, master, params   # the fused head keeps its slice buffers
     if device.type == "cuda":   # the pipeline's rank 0 trains on this GPU next
         torch.cuda.empty_cache()
     return tokens / min(times[args.warmup:])
@@ -122,6 +142,32 @@ def to_device(micro_batch, device):
     inputs, labels = micro_batch
     inputs = tuple(x.to(device) for x in inputs) if isinstance(inputs, tuple) else inputs.to(device)
     return inputs, labels.to(device)
+
+
+def profiled(step, device, what: str, top: int = 15) -> str:
+    """One more step under the torch profiler: its wall time, the host's operators by self time and,
+    on a GPU, the time its kernels kept the GPU busy (what a step waiting on its host leaves idle)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    synchronize(device)
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        step()
+        synchronize(device)
+        wall = time.perf_counter() - t0
+    averages = prof.key_averages()
+    ops = sorted((e for e in averages if e.device_type == DeviceType.CPU), key=lambda e: -e.self_cpu_time_total)
+    kernels = sorted((e for e in averages if e.device_type == DeviceType.CUDA),
+                     key=lambda e: -e.self_device_time_total)
+    busy = sum(e.self_device_time_total for e in kernels) / 1e6
+    lines = [f"profile ({what}): step {wall * 1e3:.1f} ms profiled, {sum(e.count for e in ops):,} host events"
+             + (f", GPU busy {busy * 1e3:.1f} ms ({busy / wall:.0%}) over {sum(e.count for e in kernels):,} kernels"
+                if kernels else "")]
+    lines += [f"  {e.key[:56]:<56} {e.self_cpu_time_total / 1e3:>9.2f} ms self CPU {e.count:>7}" for e in ops[:top]]
+    lines += [f"  {e.key[:56]:<56} {e.self_device_time_total / 1e3:>9.2f} ms GPU {e.count:>7}" for e in kernels[:top]]
+    return "\n".join(lines)
 
 
 def synchronize(device) -> None:
@@ -165,6 +211,11 @@ def worker(args) -> None:
         engine.train_batch(data_iter=it)
         synchronize(args.device)
         times.append(time.perf_counter() - t0)
+    if args.profile:  # every stage steps (the schedule is collective); rank 0, the first stage, reports
+        text = profiled(lambda: engine.train_batch(data_iter=it), torch.device(args.device),
+                        f"engine, {args.worker}, stage 0 of {args.stages}")
+        if torch.distributed.get_rank() == 0:
+            print("PROFILE " + json.dumps(text), flush=True)
     tokens = train.micro_batch_size * train.micro_batches * train.seq_len
     print(f"PEAK_RSS_MB {peak_memory_mb()[0]:.0f}", flush=True)  # every rank: a training process's peak memory
     if torch.distributed.get_rank() == 0:
@@ -195,6 +246,9 @@ def run_pipeline(args, kind: str, policy: str) -> tuple[float, list[int], float]
     if any(p.returncode for p in procs):
         raise SystemExit(f"pipeline worker failed:\n{outs[0][-3000:]}\n{outs[-1][-3000:]}")
     result = json.loads(next(line for line in outs[0].splitlines() if line.startswith("RESULT "))[7:])
+    for line in outs[0].splitlines():
+        if line.startswith("PROFILE "):
+            print(json.loads(line[8:]), flush=True)
     rss = max(float(line.split()[1]) for out in outs for line in out.splitlines() if line.startswith("PEAK_RSS_MB "))
     return result["tokens_per_s"], result["parts"], rss
 
@@ -225,6 +279,8 @@ def main() -> None:
                         help="cuda: one GPU per pipeline stage, the single loop on the first")
     parser.add_argument("--compile", action="store_true",
                         help="each block through torch.compile, in the single loop and the pipeline (train.compile)")
+    parser.add_argument("--profile", action="store_true",
+                        help="one more step of each under the torch profiler: where its time went (rank 0's)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.device == "cuda" and not args.worker:
