@@ -59,8 +59,9 @@ class TrainConfig:
     # torch.compile each transformer block of a stage, in place, as DeepSpeed's
     # PipelineModule.compile does each layer (the other layers, lookups and the fused head, stay
     # eager): it fuses the elementwise work around the matmuls, most of RETRO's encoder on a GPU.
-    # The first step compiles (on a CPU a minute or more, with a C++ compiler); on a CPU it gains
-    # nothing measurable (docs/benchmarks.md), so it is for GPUs.
+    # The first step compiles (on a CPU a minute or more, with a C++ compiler). Off by default: on a
+    # CPU it gains nothing measurable, and on an H200 the blocks ran faster alone but training through
+    # the engine ran slower (docs/benchmarks.md); measure it on the run at hand.
     compile: bool = False
     # Checkpoint every N steps and at the end; keep the newest K.
     checkpoint_every: int = 100
