@@ -113,8 +113,9 @@ def run_single(args, kind: str) -> float:
             outputs = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
             (loss_of(outputs, labels) / train.micro_batches).backward()
             for m, p in zip(master, params) if bf16 else []:
-                m.grad = p.grad.float() if m.grad is None else m.grad.add_(p.grad)
-                p.grad = None
+                if p.grad is not None:  # a frozen parameter has none
+                    m.grad = p.grad.float() if m.grad is None else m.grad.add_(p.grad)
+                    p.grad = None
         torch.nn.utils.clip_grad_norm_(master, train.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -159,11 +160,15 @@ def profiled(step, device, what: str, top: int = 15) -> str:
         wall = time.perf_counter() - t0
     averages = prof.key_averages()
     ops = sorted((e for e in averages if e.device_type == DeviceType.CPU), key=lambda e: -e.self_cpu_time_total)
-    kernels = sorted((e for e in averages if e.device_type == DeviceType.CUDA),
+    # Kernels only: a user annotation (the optimizer's step, a compiled region) spans kernels counted
+    # themselves, and NCCL's wait for the next stage is no work.
+    kernels = sorted((e for e in averages if e.device_type == DeviceType.CUDA
+                      and not getattr(e, "is_user_annotation", False) and "nccl" not in e.key.lower()),
                      key=lambda e: -e.self_device_time_total)
     busy = sum(e.self_device_time_total for e in kernels) / 1e6
     lines = [f"profile ({what}): step {wall * 1e3:.1f} ms profiled, {sum(e.count for e in ops):,} host events"
              + (f", GPU busy {busy * 1e3:.1f} ms ({busy / wall:.0%}) over {sum(e.count for e in kernels):,} kernels"
+                f" (NCCL's left out)"
                 if kernels else "")]
     lines += [f"  {e.key[:56]:<56} {e.self_cpu_time_total / 1e3:>9.2f} ms self CPU {e.count:>7}" for e in ops[:top]]
     lines += [f"  {e.key[:56]:<56} {e.self_device_time_total / 1e3:>9.2f} ms GPU {e.count:>7}" for e in kernels[:top]]
@@ -211,13 +216,13 @@ def worker(args) -> None:
         engine.train_batch(data_iter=it)
         synchronize(args.device)
         times.append(time.perf_counter() - t0)
+    print(f"PEAK_RSS_MB {peak_memory_mb()[0]:.0f}", flush=True)  # every rank: a training process's peak memory
     if args.profile:  # every stage steps (the schedule is collective); rank 0, the first stage, reports
         text = profiled(lambda: engine.train_batch(data_iter=it), torch.device(args.device),
                         f"engine, {args.worker}, stage 0 of {args.stages}")
         if torch.distributed.get_rank() == 0:
             print("PROFILE " + json.dumps(text), flush=True)
     tokens = train.micro_batch_size * train.micro_batches * train.seq_len
-    print(f"PEAK_RSS_MB {peak_memory_mb()[0]:.0f}", flush=True)  # every rank: a training process's peak memory
     if torch.distributed.get_rank() == 0:
         print("RESULT " + json.dumps({"tokens_per_s": tokens / min(times[args.warmup:]), "parts": parts}), flush=True)
     # As launch/train.py: gloo's threads can abort a finished rank in the interpreter's teardown.
