@@ -30,6 +30,8 @@ tokens, random tokens; RETRO gets 2 random neighbours of 2 · chunk_len tokens p
   `--fused-head` lists the LM-head paths to compare (training/models/lm_head.py; single and pipeline alike).
   `--compile` puts each block through torch.compile in both (`compile_blocks`, train.compile); the
   warm-up steps compile, so give it `--warmup 2` or more.
+  `--feed host` hands the pipeline its micro-batches on the host, to be moved by DeepSpeed's
+  blocking copies, as training did before its queued copies (`onto_device`; the same on a CPU).
   `--profile` runs one more step of each under the torch profiler and prints where it went: the
   host's operators by self time and, on a GPU, how long the GPU was busy and its top kernels.
 
@@ -204,9 +206,12 @@ def worker(args) -> None:
     rng = torch.Generator().manual_seed(0)
     batches = [random_micro_batch(model_cfg, train, rng) for _ in range(train.micro_batches)]
 
-    def forever():
+    from retropipe.training.run.trainer import onto_device
+    device = torch.device(engine.device)
+
+    def forever():  # device: as launch/train.py feeds the engine; host: DeepSpeed's own blocking copies
         while True:
-            yield from batches
+            yield from (onto_device(mb, device) if args.feed == "device" else mb for mb in batches)
 
     it = forever()
     times = []
@@ -284,6 +289,9 @@ def main() -> None:
                         help="cuda: one GPU per pipeline stage, the single loop on the first")
     parser.add_argument("--compile", action="store_true",
                         help="each block through torch.compile, in the single loop and the pipeline (train.compile)")
+    parser.add_argument("--feed", default="device", choices=["device", "host"],
+                        help="the pipeline's micro-batches: copied to its GPU without waiting, as training feeds "
+                             "them (device), or handed over on the host for DeepSpeed's blocking copies (host)")
     parser.add_argument("--profile", action="store_true",
                         help="one more step of each under the torch profiler: where its time went (rank 0's)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -312,7 +320,8 @@ def main() -> None:
     shape = configs(args, "gpt2")[0]
     print(describe())
     print(f"preset {args.preset} ({shape.n_layer} layers, width {shape.n_embd}), seq_len {args.seq_len}, "
-          f"{args.precision}{', blocks compiled' if args.compile else ''}; matmul peak {peak / 1e9:.1f} GFLOP/s; "
+          f"{args.precision}{', blocks compiled' if args.compile else ''}, micro-batches fed on the {args.feed}; "
+          f"matmul peak {peak / 1e9:.1f} GFLOP/s; "
           "micro-batch layouts (size×count) "
           + ", ".join(f"{b}×{m} (bubble bound M/(M+P-1) = {m / (m + p - 1):.2f})" for b, m in layouts))
     policies, heads = args.threads.split(","), args.fused_head.split(",")

@@ -1,6 +1,7 @@
 """The models on a CUDA GPU against the same weights on the CPU: forward, gradients, bf16,
-evaluation's chunk selection, decoding with the cache, scoring. Skipped where torch sees no GPU
-(CI has none); run them where one is lent: `python -m pytest -q tests/training/test_cuda.py`."""
+evaluation's chunk selection, decoding with the cache, scoring; and the micro-batches' copy to the
+GPU. Skipped where torch sees no GPU (CI has none); run them where one is lent:
+`python -m pytest -q tests/training/test_cuda.py`."""
 
 import copy
 
@@ -147,3 +148,28 @@ def test_compiled_blocks_give_the_eager_loss_and_gradients_on_the_gpu(kind):
     torch.testing.assert_close(losses[1], losses[0], atol=1e-5, rtol=1e-5)
     for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
         torch.testing.assert_close(q.grad, p.grad, atol=2e-4, rtol=1e-3, msg=name)
+
+
+def test_micro_batches_reach_the_gpu_without_a_host_sync():
+    # train.py feeds DeepSpeed micro-batches already on the GPU (onto_device), queued behind the
+    # GPU's work: a blocking host-to-GPU copy waits for every kernel before it.
+    from retropipe.training.run.trainer import onto_device
+
+    tokens, neighbours = inputs()
+    labels = torch.roll(tokens, -1, 1)
+    device = torch.device("cuda", torch.cuda.current_device())
+    busy = torch.randn(4096, 4096, device=device)
+    torch.cuda.set_sync_debug_mode("error")   # a synchronizing CUDA call raises
+    try:
+        for _ in range(4):
+            busy = busy @ busy / 64               # GPU work queued ahead of the copies
+        (got_tokens, got_neighbours), got_labels = onto_device(((tokens, neighbours), labels), device)
+        with pytest.raises(RuntimeError):
+            tokens.to(device)                     # the blocking copy DeepSpeed would make
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for got, want in ((got_tokens, tokens), (got_neighbours, neighbours), (got_labels, labels)):
+        assert got.device == device and got.dtype == torch.int64
+        assert torch.equal(got.cpu(), want)
+    on_cpu = onto_device((tokens, labels), torch.device("cpu"))
+    assert on_cpu[0] is tokens and on_cpu[1] is labels

@@ -261,6 +261,7 @@ class Pipeline:
         self.dp_rank, self.dp_world = grid.get_data_parallel_rank(), grid.get_data_parallel_world_size()
         self.stage = grid.get_pipe_parallel_rank()
         self.first, self.last = self.engine.is_first_stage(), self.engine.is_last_stage()
+        self.device = torch.device(self.engine.device)  # where this stage computes (its GPU, or the CPU)
 
     def _warm_start(self, module: RetroPipeModule, source_dir: str) -> None:
         """Copy a GPT-2 checkpoint (ours or Hugging Face) into this stage's layers.

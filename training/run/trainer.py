@@ -63,6 +63,24 @@ def _to_pipe(batch: dict, retro: bool):
     return inputs, torch.from_numpy(batch["labels"])
 
 
+def onto_device(micro_batch, device: torch.device):
+    """A micro-batch on the stage's GPU, its copy queued behind the GPU's work instead of waited for.
+
+    DeepSpeed's pipe engine moves a micro-batch it is handed on the host with a blocking `.to()`,
+    which first waits for every kernel queued before it: the host could then not queue the next
+    forward while the GPU still ran the last backward, and a step of small kernels waits on its
+    host. From pinned memory a non-blocking copy is queued like a kernel, and DeepSpeed's `.to()`
+    of a tensor already there does nothing. On a CPU the micro-batch is returned as it is."""
+    if device.type != "cuda":
+        return micro_batch
+
+    def move(x: torch.Tensor) -> torch.Tensor:
+        return x.pin_memory().to(device, non_blocking=True)
+
+    inputs, labels = micro_batch
+    return (tuple(map(move, inputs)) if isinstance(inputs, tuple) else move(inputs)), move(labels)
+
+
 class Trainer:
     """start: where the run begins (training/run/start.py `plan_start`: fresh, resume or branch)."""
 
@@ -116,7 +134,8 @@ class Trainer:
         def batches():
             for j in range(n):
                 start = (j * dp_world + dp_rank) * mbs
-                yield _to_pipe(self.val_data.batch(np.arange(start, start + mbs)), self.retro)
+                yield onto_device(_to_pipe(self.val_data.batch(np.arange(start, start + mbs)), self.retro),
+                                  self.pipe.device)
 
         it = batches() if (self.pipe.first or self.pipe.last) else None
         return self.pipe.eval_batch(it, n)
@@ -178,7 +197,7 @@ class Trainer:
             return None
         batches = micro_batches(self.train_data, start * self.t.micro_batches, self.t.micro_batch_size,
                                 self.pipe.dp_rank, self.pipe.dp_world, self.t.seed)
-        return (self._count_targets(_to_pipe(b, self.retro)) for b in batches)
+        return (onto_device(self._count_targets(_to_pipe(b, self.retro)), self.pipe.device) for b in batches)
 
     def _count_targets(self, micro_batch):
         """Counts the tokens with a target that this rank reads (`targets_read`), for MFU."""
