@@ -158,14 +158,13 @@ def test_micro_batches_reach_the_gpu_without_a_host_sync():
     tokens, neighbours = inputs()
     labels = torch.roll(tokens, -1, 1)
     device = torch.device("cuda", torch.cuda.current_device())
-    busy = torch.randn(4096, 4096, device=device)
     torch.cuda.set_sync_debug_mode("error")   # a synchronizing CUDA call raises
     try:
-        for _ in range(4):
-            busy = busy @ busy / 64               # GPU work queued ahead of the copies
+        torch.cuda._sleep(int(1e9))           # about half a second of GPU work queued ahead of the copies
         (got_tokens, got_neighbours), got_labels = onto_device(((tokens, neighbours), labels), device)
-        with pytest.raises(RuntimeError):
-            tokens.to(device)                     # the blocking copy DeepSpeed would make
+        assert not torch.cuda.current_stream().query()   # the host did not wait for the GPU
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            tokens.to(device)                 # the blocking copy DeepSpeed would make
     finally:
         torch.cuda.set_sync_debug_mode("default")
     for got, want in ((got_tokens, tokens), (got_neighbours, neighbours), (got_labels, labels)):
