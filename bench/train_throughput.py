@@ -193,6 +193,7 @@ def worker(args) -> None:
     from retropipe.training.pipeline.deepspeed_config import deepspeed_config
     from retropipe.training.pipeline.deepspeed_engine import build_pipeline, compile_blocks
     from retropipe.training.run.hardware import peak_memory_mb
+    from retropipe.training.run.trainer import onto_device
 
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -206,7 +207,6 @@ def worker(args) -> None:
     rng = torch.Generator().manual_seed(0)
     batches = [random_micro_batch(model_cfg, train, rng) for _ in range(train.micro_batches)]
 
-    from retropipe.training.run.trainer import onto_device
     device = torch.device(engine.device)
 
     def forever():  # device: as launch/train.py feeds the engine; host: DeepSpeed's own blocking copies
