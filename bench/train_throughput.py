@@ -93,6 +93,7 @@ def run_single(args, kind: str) -> float:
 
     from retropipe.training.models.build import build_model
     from retropipe.training.models.gpt2 import FusedLoss, loss_fn
+    from retropipe.training.run.trainer import onto_device
 
     torch.set_num_threads(os.cpu_count() or 1)
     model_cfg, train = configs(args, kind)
@@ -108,7 +109,7 @@ def run_single(args, kind: str) -> float:
     master = [p.detach().float().requires_grad_() for p in params] if bf16 else params
     opt = torch.optim.AdamW(master, lr=1e-4, fused=True)  # as training/pipeline/deepspeed_config.py
     rng = torch.Generator().manual_seed(0)
-    batches = [to_device(random_micro_batch(model_cfg, train, rng), device) for _ in range(train.micro_batches)]
+    batches = [onto_device(random_micro_batch(model_cfg, train, rng), device) for _ in range(train.micro_batches)]
 
     def step():
         for inputs, labels in batches:
@@ -139,12 +140,6 @@ def run_single(args, kind: str) -> float:
     if device.type == "cuda":   # the pipeline's rank 0 trains on this GPU next
         torch.cuda.empty_cache()
     return tokens / min(times[args.warmup:])
-
-
-def to_device(micro_batch, device):
-    inputs, labels = micro_batch
-    inputs = tuple(x.to(device) for x in inputs) if isinstance(inputs, tuple) else inputs.to(device)
-    return inputs, labels.to(device)
 
 
 def profiled(step, device, what: str, top: int = 15) -> str:
