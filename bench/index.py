@@ -31,8 +31,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 import numpy as np  # noqa: E402
 
-from retropipe.retrieval.embed import Embeddings  # noqa: E402
 from retropipe.data.stage import save_npy  # noqa: E402
+from retropipe.retrieval.database import DatabaseVectors  # noqa: E402
+from retropipe.retrieval.embed import Embeddings  # noqa: E402
 from retropipe.retrieval.index import build_index, load_index, recall_at_k, search, set_search_params  # noqa: E402
 
 
@@ -133,12 +134,13 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         emb = write_embeddings(Path(tmp) / "embeddings", db, queries, args.shard_size)
-        rows = lambda ids: emb.rows("train", ids)  # noqa: E731  (the re-rank reads, as the product does)
+        vectors = DatabaseVectors([(0, emb)])        # the database a build indexes: one part, these shards
+        rows = vectors.rows                            # the re-rank reads, as the product does
         indexes, builds = {}, {}
         for factory in ["Flat"] + factories:
             out = Path(tmp) / f"index-{len(indexes)}"
             t0 = time.perf_counter()
-            manifest = build_index(emb, out, factory, args.train_sample, args.seed)
+            manifest = build_index(vectors, out, factory, args.train_sample, args.seed)
             builds[factory] = (time.perf_counter() - t0, manifest["seconds"])
             indexes[factory] = load_index(out, manifest, args.dim, nprobes[0], args.ef_search)
             print(f"  built {factory!r} in {builds[factory][0]:.1f} s {manifest['seconds']}", flush=True)

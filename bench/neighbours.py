@@ -28,26 +28,26 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 from retropipe.data.config import DataConfig  # noqa: E402
+from retropipe.data.database import Database  # noqa: E402
 from retropipe.data.prepare import prepare  # noqa: E402
 from retropipe.data.store import ChunkStore  # noqa: E402
 from retropipe.retrieval.config import RetrievalConfig  # noqa: E402
-from retropipe.retrieval.embed import Embeddings, embed_store  # noqa: E402
-from retropipe.data.stage import read_json  # noqa: E402
+from retropipe.retrieval.database import DatabaseVectors, PartSource, open_vectors, write_database  # noqa: E402
+from retropipe.retrieval.embed import Embeddings, embed_store, model_identity, resolve_model_path  # noqa: E402
 from retropipe.retrieval.index import build_index, load_index  # noqa: E402
 from retropipe.retrieval.neighbours import query_neighbours  # noqa: E402
 
 
-def open_build(workdir: Path) -> tuple[ChunkStore, Embeddings]:
-    store = ChunkStore(workdir / "data")
-    emb_dir = workdir / "retrieval" / "embeddings"
-    manifest = read_json(emb_dir / "manifest.json")
-    if manifest is None or manifest["chunk_store_fingerprint"] != store.fingerprint:
-        raise SystemExit(f"{emb_dir}: no finished embeddings of {workdir / 'data'}; run launch/build_index.py")
-    return store, Embeddings(emb_dir, manifest)
+Build = tuple[ChunkStore, Embeddings, Database, DatabaseVectors]
 
 
-def fresh_build(tmp: Path) -> tuple[ChunkStore, Embeddings]:
-    """Prepare and embed the shipped corpus (a few minutes on 2 cores)."""
+def open_build(workdir: Path) -> Build:
+    """The training store, its embeddings (the queries), and the database it was built with."""
+    return open_build_at(workdir / "retrieval", ChunkStore(workdir / "data"))
+
+
+def fresh_build(tmp: Path) -> Build:
+    """Prepare and embed the shipped corpus (a few minutes on 2 cores): a database of its training split."""
     from retropipe.launch.ray_utils import RayExecutor
     from retropipe.retrieval.ray_embed import RayEmbedRunner
 
@@ -56,10 +56,19 @@ def fresh_build(tmp: Path) -> tuple[ChunkStore, Embeddings]:
     executor = RayExecutor()
     try:
         runner = RayEmbedRunner(executor, actors=os.cpu_count() or 1)
-        manifest = embed_store(store, tmp / "embeddings", "", 64, runner)
+        embed_store(store, tmp / "embeddings", "", 64, runner)
     finally:
         executor.close()
-    return store, Embeddings(tmp / "embeddings", manifest)
+    write_database(tmp, [PartSource("train", store, tmp / "embeddings")], model_identity(resolve_model_path(""), ""))
+    return open_build_at(tmp, store)
+
+
+def open_build_at(root: Path, store: ChunkStore) -> Build:
+    database = Database(root)
+    if database.parts[0].store.fingerprint != store.fingerprint:
+        raise SystemExit(f"{root} was built from another chunk store than {store.root}; run launch/build_index.py")
+    vectors = open_vectors(database)
+    return store, vectors.parts[0][1], database, vectors   # part 0: the training split's embeddings, the queries
 
 
 def main(argv=None) -> int:
@@ -78,14 +87,15 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        store, emb = open_build(Path(args.workdir)) if args.workdir else fresh_build(tmp)
+        store, emb, database, vectors = open_build(Path(args.workdir)) if args.workdir else fresh_build(tmp)
         total = emb.count("train") + emb.count("validation")
         print(f"store {store.root}: {emb.count('train'):,} training + {emb.count('validation'):,} validation "
-              f"chunks, {emb.dim}-d embeddings; k {args.k} of {args.candidates} candidates, "
+              f"chunks, {emb.dim}-d embeddings; a database of {len(database):,} chunks in {len(database.parts)} "
+              f"part(s); k {args.k} of {args.candidates} candidates, "
               f"sequences of {args.chunks_per_seq} chunks")
         variants, indexes = [], {}
         for i, factory in enumerate(factories):
-            manifest = build_index(emb, tmp / f"index-{i}", factory, defaults.train_sample, defaults.seed)
+            manifest = build_index(vectors, tmp / f"index-{i}", factory, defaults.train_sample, defaults.seed)
             indexes[factory] = load_index(tmp / f"index-{i}", manifest, emb.dim, args.nprobe, defaults.ef_search)
             variants += [(factory, False)] + ([(factory, True)] if factory != "Flat" else [])
         rates, results = {}, {}
@@ -95,8 +105,9 @@ def main(argv=None) -> int:
                 inputs = {"bench": [factory, rerank, r], "embeddings_fingerprint": emb.fingerprint,
                           "index_fingerprint": factory}  # the keys its manifest copies
                 t0 = time.perf_counter()
-                results[(factory, rerank)] = query_neighbours(indexes[factory], emb, store, out, inputs, args.k,
-                                                              args.candidates, args.chunks_per_seq, rerank)
+                results[(factory, rerank)] = query_neighbours(indexes[factory], emb, store, database, out, inputs,
+                                                              args.k, args.candidates, args.chunks_per_seq,
+                                                              vectors.rows if rerank else None)
                 rates.setdefault((factory, rerank), []).append(total / (time.perf_counter() - t0))
 
     print(f"\nload average at the end {os.getloadavg()[0]:.2f}; best of {args.rounds} rounds over {total:,} chunks")
