@@ -7,10 +7,11 @@ optional re-rank on the stored embeddings, sequence/document exclusion, -1 paddi
 written) over the whole training and validation splits, and prints chunks/s per index and
 re-rank setting, the variants interleaved over `--rounds` rounds on the shared machine.
 
---workdir names a finished build (<workdir>/data and <workdir>/retrieval/embeddings, from
-launch/prepare_data.py and launch/build_index.py); it is only read. Without it the shipped
-corpus is prepared and embedded (Ray, one single-thread actor per core) into a temp dir first.
-The indexes are built into a temp dir from the embeddings either way.
+--workdir names a finished build (<workdir>/data and the database in <workdir>/retrieval, from
+launch/prepare_data.py and launch/build_index.py: every part, the further corpora too); it is only
+read. Without it the shipped corpus is prepared and embedded (Ray, one single-thread actor per
+core) into a temp dir first, a database of its training split. The indexes are built into a temp
+dir from the database's embeddings either way.
 """
 
 from __future__ import annotations
