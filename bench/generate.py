@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="tiny", help="model preset (training/models/config.py MODEL_PRESETS)")
     parser.add_argument("--kinds", default="gpt2,retro", help="comma-separated model kinds")
@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="runs of each variant (the best counts)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     import numpy as np
     import torch

@@ -1,7 +1,8 @@
-"""The benchmarks that build on the product's retrieval API run against it as it stands: each is a
-documented command (docs/benchmarks.md), and a change of that API once left two of them failing
-on their first call. Tiny sizes: these check that a benchmark runs and reports what the product
-computes, not its speed.
+"""The benchmarks that call the product's own API run against it as it stands: each is a documented
+command (docs/benchmarks.md), and a change of the retrieval API once left two of them failing on
+their first call. Tiny sizes: these check that a benchmark runs and reports what the product
+computes, not its speed. (The ones that start processes, Ray or DeepSpeed take seconds to tens of
+seconds each and are left to their users.)
 """
 
 import importlib.util
@@ -48,6 +49,25 @@ def test_the_neighbour_benchmark_gives_the_products_neighbours(built, capsys):
     assert code == 0, out
     missing = sum(split["missing"] for split in result["neighbours"]["splits"].values())
     assert int(table_row(out, "Flat", "no")[-1].replace(",", "")) == missing, (out, missing)
+
+
+def test_the_copies_benchmark_finds_the_builds_copies_and_embeds_both_ways(built, capsys):
+    root, store, _ = built
+    from retropipe.retrieval.copies import find_copies
+
+    code = bench("copies").main(["--workdir", str(root)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert f"1 parts, {len(store.split('train')) + len(store.split('validation')):,} chunks, " \
+           f"{len(find_copies([store])):,} exact copies" in out, out
+    assert "copies skipped" in out and "every chunk embedded" in out and "faster" in out, out
+
+
+def test_the_generation_benchmark_samples_the_same_tokens_with_and_without_the_cache(one_thread, capsys):
+    bench("generate").main(["--prompt", "8", "--new", "12", "--chunk-len", "8", "--repeat", "1"])
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()[:1] in (["gpt2"], ["retro"])}
+    assert sorted(rows) == ["gpt2", "retro"] and all(row[-1] == "yes" for row in rows.values()), out
 
 
 @pytest.fixture(autouse=True)
