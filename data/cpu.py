@@ -43,6 +43,15 @@ def cpu_has_bf16() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags()) and not (held & below_bf16)
 
 
+def emulated_bf16(key: str, precision: str, device: str) -> str | None:
+    """A warning for `key` set to bf16 (by name: "auto" never takes it there) on a CPU that emulates
+    bf16's products (cpu_has_bf16 false), tens of times slower than fp32's; None elsewhere."""
+    if precision != "bf16" or not str(device).startswith("cpu") or cpu_has_bf16():
+        return None
+    return (f"{key} is bf16, but this CPU has no bf16 instructions that torch may use (AVX512-BF16 or AMX): "
+            f"torch emulates bf16's products, tens of times slower than fp32's; 'auto' takes fp32 here")
+
+
 def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:

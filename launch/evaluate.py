@@ -21,6 +21,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from retropipe.data.cpu import emulated_bf16
 from retropipe.data.errors import ConfigError, DataError
 from retropipe.data.stage import path_tag
 from retropipe.launch.cli import config_from_args, entry_parser, quiet_engines, resolve_device
@@ -92,6 +93,9 @@ def evaluate(cfg, checkpoints: list[Path], split: str, out: Path, corpus: str | 
         print(f"evaluate: {out / 'report.json'} is complete for these models, data and settings; nothing to do "
               f"(delete it to score again)")
         return done
+    slow = emulated_bf16("eval.precision", cfg.eval.precision, device)
+    if slow:
+        print(f"evaluate: warning: {slow}", file=sys.stderr, flush=True)
     trained = {name: how_trained(p, model.cfg.kind) for (name, model), p in zip(models, checkpoints)}  # before scoring
     chunks = store.split(split)
     bar = (lambda name: lambda xs: tqdm(xs, desc=f"eval {name}", leave=False, dynamic_ncols=True)) if progress else None

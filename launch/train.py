@@ -22,6 +22,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
+from retropipe.data.cpu import emulated_bf16
 from retropipe.data.errors import ConfigError, DataError, TrainingError
 from retropipe.data.stage import write_json
 from retropipe.launch.cli import config_from_args, entry_parser, quiet_engines
@@ -141,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if rank == 0:  # an extended run is not complete again until its new last step
         (run_dir / "summary.json").unlink(missing_ok=True)
+        slow = emulated_bf16("train.precision", cfg.train.precision, "cuda" if torch.cuda.is_available() else "cpu")
+        if slow:
+            print(f"train: warning: {slow}", file=sys.stderr, flush=True)
 
     if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
         from retropipe.training.run.hardware import cpu_threads, local_processes

@@ -19,6 +19,7 @@ Layout of `<retrieval_dir>/embeddings/`:
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -27,6 +28,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 
 from retropipe.data.chunking import SPLITS
+from retropipe.data.cpu import emulated_bf16
 from retropipe.data.errors import BUILD_DATABASE, RetrievalError
 from retropipe.data.stage import fingerprint, load_npy, open_stage, save_npy, sha256_file, write_json
 from retropipe.data.store import ChunkStore
@@ -158,9 +160,13 @@ class EmbedSpec:
 
 def runner_precision(runner, precision: str) -> str:
     """retrieval.embed_precision on the device `runner` embeds on: a runner that knows its device
-    says so (`resolve_precision`); one that does not embeds on this process's CPU."""
-    resolve = getattr(runner, "resolve_precision", None)
-    return resolve(precision) if resolve else resolve_embed_precision(precision, "cpu")
+    says so (`embed_device`); one that does not embeds on this process's CPU. bf16 asked for by
+    name on a CPU that emulates it is kept, with a warning (data/cpu.py emulated_bf16)."""
+    device = runner.embed_device() if hasattr(runner, "embed_device") else "cpu"
+    slow = emulated_bf16("retrieval.embed_precision", precision, device)
+    if slow:
+        print(f"build_index: warning: {slow}", file=sys.stderr, flush=True)
+    return resolve_embed_precision(precision, device)
 
 
 def embed_job(model, store: ChunkStore, encoding, job: EmbedJob, sub_batch: int | None = None) -> np.ndarray:

@@ -129,12 +129,9 @@ class RayEmbedRunner:
             self._threads = max(1, min(sum(cpus) // self.actors, max(cpus, default=1)))
         return "cpu", {"num_cpus": self._threads}, self._threads
 
-    def resolve_precision(self, precision: str) -> str:
-        """retrieval.embed_precision on the device this runner's actors embed on."""
-        from retropipe.retrieval.embedder import resolve_embed_precision
-
-        device, _, _ = self.resources(self.executor.ensure_started())
-        return resolve_embed_precision(precision, device)
+    def embed_device(self) -> str:
+        """"cuda" or "cpu": what this runner's actors embed on."""
+        return self.resources(self.executor.ensure_started())[0]
 
     def pool_size(self, ray, device: str, threads: int) -> int:
         """Actors to start: no more than the nodes alive now can hold (one GPU each, or `threads`

@@ -15,6 +15,7 @@ import json
 import pytest
 import torch
 
+from retropipe.data.cpu import cpu_has_bf16
 from retropipe.launch.config import load_config
 from tests.corpora import build_workdir
 from tests.distributed import ROOT, train
@@ -49,6 +50,8 @@ def run(workdir, name: str, precision: str, run_name: str, *overrides: str) -> d
     code, log = train(2, ["--config", f"configs/{name}", *sets], workdir / f"logs-{run_name}")
     assert code == 0, log[-3000:]
     assert "pipeline: 2 stages × 1 data parallel" in log, log[-2000:]
+    # bf16 on a CPU that emulates it trains, and says how slowly (CI's CPU may have bf16 or not)
+    assert ("train: warning: train.precision is bf16" in log) == (precision == "bf16" and not cpu_has_bf16()), log
     summary = json.loads((workdir / "runs" / run_name / "summary.json").read_text())
     assert summary["tied_embedding_max_diff"] == 0.0  # checked at the start and the end of training
     return losses(workdir / "runs" / run_name)

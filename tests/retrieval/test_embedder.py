@@ -170,6 +170,18 @@ def test_embed_precision_auto_follows_the_hardware_and_queries_follow_their_data
     assert resolve_embed_precision("bf16", "cpu") == "bf16"  # asked for: emulated, but done
 
 
+def test_bf16_by_name_on_a_cpu_that_emulates_it_embeds_in_bf16_with_a_warning(monkeypatch, capsys, kernels_unheld):
+    import retropipe.data.cpu as cpu
+    from retropipe.retrieval.embed import runner_precision, serial_embed_runner
+
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    assert runner_precision(serial_embed_runner, "bf16") == "bf16"
+    assert "build_index: warning: retrieval.embed_precision is bf16, but this CPU has no bf16" in capsys.readouterr().err
+    assert runner_precision(serial_embed_runner, "auto") == "fp32" and not capsys.readouterr().err
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
+    assert runner_precision(serial_embed_runner, "bf16") == "bf16" and not capsys.readouterr().err
+
+
 def test_bf16_embeddings_keep_the_neighbours(tmp_path):
     """The embedder in bf16 (retrieval.embed_precision): vectors within 1e-3 of fp32's cosine, and
     for ≥ 98% of the chunks a nearest neighbour as near (by fp32 cosine, within 2e-3) as fp32's own:

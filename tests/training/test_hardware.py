@@ -34,6 +34,19 @@ def test_precision_auto_takes_bf16_only_where_the_kernels_may_use_it(monkeypatch
     assert hw.resolve_precision("auto") == "fp32" and hw.resolve_precision("bf16") == "bf16"
 
 
+def test_bf16_by_name_is_warned_about_only_where_the_cpu_emulates_it(monkeypatch, kernels_unheld):
+    """train.precision and eval.precision "bf16" on such a CPU run, many times slower than fp32: said."""
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    assert cpu.emulated_bf16("train.precision", "bf16", "cpu").startswith("train.precision is bf16, but ")
+    assert cpu.emulated_bf16("train.precision", "auto", "cpu") is None          # auto takes fp32 there
+    assert cpu.emulated_bf16("train.precision", "bf16", "cuda:0") is None       # a GPU's own check
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f", "avx512_bf16"}))
+    assert cpu.emulated_bf16("eval.precision", "bf16", "cpu") is not None       # held below its bf16 instructions
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    assert cpu.emulated_bf16("eval.precision", "bf16", "cpu") is None
+
+
 def test_mfu_of_emulated_bf16_is_measured_against_the_fp32_peak(monkeypatch, kernels_unheld):
     """Its arithmetic runs on the fp32 units: against the emulation's own speed it logged MFU 2-3."""
     monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
