@@ -140,13 +140,14 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(f"train: {run_dir} is complete ({cfg.train.steps} steps, summary.json); nothing to do")
         return 0
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     if rank == 0:  # an extended run is not complete again until its new last step
         (run_dir / "summary.json").unlink(missing_ok=True)
-        slow = emulated_bf16("train.precision", cfg.train.precision, "cuda" if torch.cuda.is_available() else "cpu")
+        slow = emulated_bf16("train.precision", cfg.train.precision, device)
         if slow:
             print(f"train: warning: {slow}", file=sys.stderr, flush=True)
 
-    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
+    if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         from retropipe.training.run.hardware import cpu_threads, local_processes
 
         local = local_processes(os.environ, world)
@@ -158,7 +159,6 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:  # exactly what DeepSpeed is given, for the record
         write_json(run_dir / "deepspeed_config.json", deepspeed_config(cfg.train))
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     timeout = cfg.train.resolved_dist_timeout(device)
     init_distributed(max(timeout, JOIN_TIMEOUT))
     watchdog = Watchdog(rank, world, timeout).start() if world > 1 else None
