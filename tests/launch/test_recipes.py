@@ -3,7 +3,7 @@
 Recipes: the GPT-2 baseline, RETRO, RETRO from the baseline's weights (`train.init_from`),
 RETRO-fit with a frozen trunk (`configs/tiny-retrofit.yaml`), a finished run extended
 (`train.steps` raised) and a branch (`train.branch_from`), these two in bf16 (fp32's have their own
-tests in tests/launch/test_training.py). Each trains 2 steps (the extension and the branch one
+tests in tests/launch/test_training.py), and bf16 with DeepSpeed's own gradient accumulation. Each trains 2 steps (the extension and the branch one
 more) with real DeepSpeed on 2 CPU processes; each asserts its first loss
 and that the stages' copies of the tied embedding agree. The first loss of a fresh or warm-started
 run is computed again in-process from the same weights and micro-batches; the extension's and
@@ -55,6 +55,12 @@ def run(workdir, name: str, precision: str, run_name: str, *overrides: str) -> d
     summary = json.loads((workdir / "runs" / run_name / "summary.json").read_text())
     assert summary["tied_embedding_max_diff"] == 0.0  # checked at the start and the end of training
     return losses(workdir / "runs" / run_name)
+
+
+def metrics(run_dir) -> list[tuple[int, float, float]]:
+    """Each logged step's loss and gradient norm."""
+    rows = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in rows]
 
 
 def first_loss(cfg, warm_from=None) -> float:
@@ -117,3 +123,9 @@ def test_every_documented_recipe_trains_on_two_stages(recipe_workdir, precision)
                  f"train.branch_from={wd / 'runs' / gpt2 / 'checkpoints' / 'step000002'}")
     assert sorted(extended) == [1, 2, 3] and sorted(branch) == [3], (extended, branch)
     assert branch[3] == extended[3], (branch, extended)
+    # bf16's gradients added to the fp32 ones by DeepSpeed's hook per parameter instead of in one call
+    # after each backward (training/pipeline/bf16_grads.py): the same sums, so the same gradient norms
+    # and the same losses, bit for bit (step 1's learning rate is 0: step 3's loss is the first that moves).
+    run(wd, "tiny-gpt2.yaml", precision, "hooks-bf16", "train.steps=3",
+        "train.deepspeed={bf16: {immediate_grad_update: true}}")
+    assert metrics(wd / "runs" / "hooks-bf16") == metrics(wd / "runs" / gpt2)

@@ -27,11 +27,10 @@ def generated_config(train: TrainConfig) -> dict:
     return {
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
         "gradient_accumulation_steps": train.micro_batches,
-        # immediate_grad_update: each micro-batch's bf16 gradient is added to the fp32 one as soon as
-        # backward makes it, then let go. Without it DeepSpeed zeroes every bf16 gradient before each
-        # micro-batch, so backward adds into zeros (a pass over the tied (vocab, d) matrix more per
-        # micro-batch on the head's stage): the demo's pipelines 1.04x (docs/benchmarks.md).
-        "bf16": {"enabled": precision == "bf16", "immediate_grad_update": precision == "bf16"},
+        # immediate_grad_update off: each micro-batch's bf16 gradients are added to the fp32 ones in one
+        # call after its backward and let go (training/pipeline/bf16_grads.py), not from a Python hook
+        # per parameter during it, which a GPU's host pays for (docs/benchmarks.md).
+        "bf16": {"enabled": precision == "bf16", "immediate_grad_update": False},
         "fp16": {"enabled": precision == "fp16", "initial_scale_power": 16},
         # bf16: fp32 master weights *and* fp32 gradient accumulation (BF16_Optimizer).
         **({"data_types": {"grad_accum_dtype": "fp32"}} if precision == "bf16" else {}),

@@ -45,6 +45,7 @@ from retropipe.training.models.gpt2 import FusedLoss, loss_fn  # noqa: E402
 from retropipe.training.models.io import load_pretrained  # noqa: E402
 from retropipe.training.models.layers import LayerDesc, seeded  # noqa: E402
 from retropipe.training.models.retro import freeze_trunk, is_retrieval_parameter  # noqa: E402
+from retropipe.training.pipeline.bf16_grads import add_grads_in_one_call  # noqa: E402
 from retropipe.training.pipeline.deepspeed_config import deepspeed_config  # noqa: E402
 from retropipe.training.pipeline.param_groups import parameter_groups, restore_group_settings  # noqa: E402
 from retropipe.training.pipeline.partition import partition  # noqa: E402
@@ -255,6 +256,7 @@ class Pipeline:
             self.engine, *_ = deepspeed.initialize(model=module, model_parameters=groups,
                                                    config=deepspeed_config(train))
         _frozen_tied_weights_have_no_gradient(module)
+        add_grads_in_one_call(self.engine)
         self.compiled = compile_blocks(module, self.descs) if train.compile else []
         set_collective_timeout(train.resolved_dist_timeout("cuda" if torch.cuda.is_available() else "cpu"))
         grid = self.engine.grid
