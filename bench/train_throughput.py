@@ -31,7 +31,12 @@ tokens, random tokens; RETRO gets 2 random neighbours of 2 · chunk_len tokens p
   `--compile` puts each block through torch.compile in both (`compile_blocks`, train.compile); the
   warm-up steps compile, so give it `--warmup 2` or more.
   `--feed host` hands the pipeline its micro-batches on the host, to be moved by DeepSpeed's
-  blocking copies, as training did before its queued copies (`onto_device`; the same on a CPU).
+  blocking copies, as training did before its queued copies (`onto_device`; the same on a CPU);
+  `--feed device,host` runs both, side by side.
+  `--grads one-call,hooks` (bf16) compares how the pipeline adds each micro-batch's bf16 gradients
+  to its fp32 ones: in one call after its backward, as training does (training/pipeline/bf16_grads.py),
+  or from DeepSpeed's Python hook per parameter (`immediate_grad_update`); each pipeline's loss after
+  its last step is printed beside its speed.
   `--profile` runs one more step of each under the torch profiler and prints where it went: the
   host's operators by self time and, on a GPU, how long the GPU was busy and its top kernels.
 
@@ -185,6 +190,7 @@ def worker(args) -> None:
     import deepspeed
     import torch
 
+    from retropipe.training.pipeline.bf16_grads import add_grads_in_one_call
     from retropipe.training.pipeline.deepspeed_config import deepspeed_config
     from retropipe.training.pipeline.deepspeed_engine import build_pipeline, compile_blocks
     from retropipe.training.run.hardware import peak_memory_mb
@@ -195,8 +201,13 @@ def worker(args) -> None:
     deepspeed.init_distributed(dist_backend="nccl" if args.device == "cuda" else "gloo")
     model_cfg, train = configs(args, args.worker)
     module, descs, parts = build_pipeline(model_cfg, train)
+    config = deepspeed_config(train)
+    if args.grads == "hooks":  # DeepSpeed's own: a Python hook per parameter adds each bf16 gradient
+        config["bf16"]["immediate_grad_update"] = True
     engine, *_ = deepspeed.initialize(model=module, model_parameters=[p for p in module.parameters()],
-                                      config=deepspeed_config(train))
+                                      config=config)
+    if args.grads == "one-call":
+        add_grads_in_one_call(engine)
     if args.compile:
         compile_blocks(module, descs)
     rng = torch.Generator().manual_seed(0)
@@ -213,7 +224,7 @@ def worker(args) -> None:
     for _ in range(args.warmup + args.steps):
         synchronize(args.device)
         t0 = time.perf_counter()
-        engine.train_batch(data_iter=it)
+        loss = engine.train_batch(data_iter=it)
         synchronize(args.device)
         times.append(time.perf_counter() - t0)
     print(f"PEAK_RSS_MB {peak_memory_mb()[0]:.0f}", flush=True)  # every rank: a training process's peak memory
@@ -224,7 +235,8 @@ def worker(args) -> None:
             print("PROFILE " + json.dumps(text), flush=True)
     tokens = train.micro_batch_size * train.micro_batches * train.seq_len
     if torch.distributed.get_rank() == 0:
-        print("RESULT " + json.dumps({"tokens_per_s": tokens / min(times[args.warmup:]), "parts": parts}), flush=True)
+        print("RESULT " + json.dumps({"tokens_per_s": tokens / min(times[args.warmup:]), "parts": parts,
+                                      "loss": float(loss)}), flush=True)
     # As launch/train.py: gloo's threads can abort a finished rank in the interpreter's teardown.
     from retropipe.training.pipeline.deepspeed_engine import shutdown
     shutdown()
@@ -244,7 +256,8 @@ def run_pipeline(args, kind: str, policy: str) -> tuple[float, list[int], float]
            "LOCAL_WORLD_SIZE": str(n), **thread_environment(policy, n, n),
            **({"DS_ACCELERATOR": "cpu"} if args.device == "cpu" else {})}
     argv = [sys.executable, __file__, *sys.argv[1:], "--worker", kind, "--fused-head", str(args.fused_head).lower(),
-            "--micro-batch-size", str(args.micro_batch_size), "--micro-batches", str(args.micro_batches)]
+            "--micro-batch-size", str(args.micro_batch_size), "--micro-batches", str(args.micro_batches),
+            "--feed", args.feed, "--grads", args.grads]
     procs = [subprocess.Popen(argv, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in range(n)]
     outs = [p.communicate()[0] for p in procs]
@@ -255,6 +268,8 @@ def run_pipeline(args, kind: str, policy: str) -> tuple[float, list[int], float]
         if line.startswith("PROFILE "):
             print(json.loads(line[8:]), flush=True)
     rss = max(float(line.split()[1]) for out in outs for line in out.splitlines() if line.startswith("PEAK_RSS_MB "))
+    print(f"  pipeline {kind} {policy} fed on the {args.feed}, grads {args.grads}: loss {result['loss']:.6f} after "
+          f"{args.warmup + args.steps} steps, {result['tokens_per_s']:,.0f} tokens/s", flush=True)
     return result["tokens_per_s"], result["parts"], rss
 
 
@@ -284,9 +299,14 @@ def main() -> None:
                         help="cuda: one GPU per pipeline stage, the single loop on the first")
     parser.add_argument("--compile", action="store_true",
                         help="each block through torch.compile, in the single loop and the pipeline (train.compile)")
-    parser.add_argument("--feed", default="device", choices=["device", "host"],
-                        help="the pipeline's micro-batches: copied to its GPU without waiting, as training feeds "
-                             "them (device), or handed over on the host for DeepSpeed's blocking copies (host)")
+    parser.add_argument("--feed", default="device",
+                        help="the pipeline's micro-batches, a list to compare: copied to its GPU without waiting, "
+                             "as training feeds them (device), or handed over on the host for DeepSpeed's blocking "
+                             "copies (host)")
+    parser.add_argument("--grads", default="one-call",
+                        help="bf16: how the pipeline adds each micro-batch's bf16 gradients to its fp32 ones, a "
+                             "list to compare: after its backward in one call, as training does (one-call), or "
+                             "from DeepSpeed's hook per parameter (hooks, immediate_grad_update)")
     parser.add_argument("--profile", action="store_true",
                         help="one more step of each under the torch profiler: where its time went (rank 0's)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -297,6 +317,11 @@ def main() -> None:
         if torch.cuda.device_count() < args.stages:
             parser.error(f"--device cuda needs a GPU per stage: {args.stages} stages, "
                          f"{torch.cuda.device_count()} GPUs")
+    feeds, grads = args.feed.split(","), args.grads.split(",")
+    if not set(feeds) <= {"device", "host"}:
+        parser.error(f"--feed: device, host or both, not {args.feed!r}")
+    if not set(grads) <= {"one-call", "hooks"}:
+        parser.error(f"--grads: one-call, hooks or both, not {args.grads!r}")
     if args.worker:
         args.fused_head = args.fused_head == "true"
         return worker(args)
@@ -315,34 +340,42 @@ def main() -> None:
     shape = configs(args, "gpt2")[0]
     print(describe())
     print(f"preset {args.preset} ({shape.n_layer} layers, width {shape.n_embd}), seq_len {args.seq_len}, "
-          f"{args.precision}{', blocks compiled' if args.compile else ''}, micro-batches fed on the {args.feed}; "
+          f"{args.precision}{', blocks compiled' if args.compile else ''}, micro-batches fed on the "
+          f"{' or the '.join(feeds)}; "
           f"matmul peak {peak / 1e9:.1f} GFLOP/s; "
           "micro-batch layouts (size×count) "
           + ", ".join(f"{b}×{m} (bubble bound M/(M+P-1) = {m / (m + p - 1):.2f})" for b, m in layouts))
-    policies, heads = args.threads.split(","), args.fused_head.split(",")
+    # a variant of the pipeline: its thread policy, where its micro-batches are handed over, how its bf16
+    # gradients are added
+    policies = args.threads.split(",")
+    variants = [(policy, feed, grad) for policy in policies for feed in feeds for grad in grads]
+    heads = args.fused_head.split(",")
     rows = []
     for kind in args.models.split(","):
         for head in heads:
             for args.micro_batch_size, args.micro_batches in layouts:
                 args.fused_head = head == "true"
                 layout = f"{args.micro_batch_size}x{args.micro_batches}"
-                single, pipe, rss = [], {policy: [] for policy in policies}, {policy: 0.0 for policy in policies}
+                single, pipe, rss = [], {v: [] for v in variants}, {v: 0.0 for v in variants}
                 for _ in range(args.repeat):  # alternate, so machine noise hits every variant
                     single.append(run_single(args, kind))
-                    for policy in policies:
+                    for variant in variants:
+                        policy, args.feed, args.grads = variant
                         tps, parts, peak_rss = run_pipeline(args, kind, policy)
-                        pipe[policy].append(tps)
-                        rss[policy] = max(rss[policy], peak_rss)
+                        pipe[variant].append(tps)
+                        rss[variant] = max(rss[variant], peak_rss)
                 fpt = flops_per_token(configs(args, kind)[0], args.seq_len)
                 s = max(single)
-                for policy in policies:
-                    q = max(pipe[policy])
-                    rows.append((kind, head, policy, s, q, q / s, mfu(fpt, s, peak), mfu(fpt, q, peak), rss[policy],
-                                 parts, layout))
-    print(f"\n{'model':<6} {'fused':>5} {'layout':>6} {'threads':>7} {'single tok/s':>12} {'pipeline tok/s':>14} "
+                for variant in variants:
+                    q = max(pipe[variant])
+                    label = "/".join(v for v, axis in zip(variant, (policies, feeds, grads)) if len(axis) > 1) \
+                        or variant[0]
+                    rows.append((kind, head, label, s, q, q / s, mfu(fpt, s, peak), mfu(fpt, q, peak),
+                                 rss[variant], parts, layout))
+    print(f"\n{'model':<6} {'fused':>5} {'layout':>6} {'variant':>13} {'single tok/s':>12} {'pipeline tok/s':>14} "
           f"{'ratio':>6} {'MFU single':>10} {'MFU pipe':>9} {'rank RSS MB':>11}  partition")
     for kind, head, policy, s, q, ratio, mfu_s, mfu_q, rss_mb, parts, layout in rows:
-        print(f"{kind:<6} {head:>5} {layout:>6} {policy:>7} {s:>12,.0f} {q:>14,.0f} {ratio:>5.2f}x {mfu_s:>10.1%} "
+        print(f"{kind:<6} {head:>5} {layout:>6} {policy:>13} {s:>12,.0f} {q:>14,.0f} {ratio:>5.2f}x {mfu_s:>10.1%} "
               f"{mfu_q:>9.1%} {rss_mb:>11,.0f}  {parts}")
     first = rows[0]
     for row in rows[1:]:  # side by side with the first variant (e.g. main's settings: plain head, split threads)
