@@ -77,8 +77,8 @@ class _Lookup(torch.autograd.Function):
     weight holds a dense gradient (from an earlier backward: an earlier micro-batch of the step),
     this returns a sparse one: autograd adds it in place (`dense += sparse`), its accumulation
     hooks (DeepSpeed's) still run, and `.grad` stays dense. While `.grad` is None it returns a
-    dense gradient, so `.grad` is never sparse: so in bf16, where DeepSpeed hands each
-    micro-batch's gradient to its fp32 copy and lets `.grad` go (training/pipeline/deepspeed_config.py).
+    dense gradient, so `.grad` is never sparse: so in bf16, where each micro-batch's gradient goes
+    to its fp32 copy after its backward and `.grad` is let go (training/pipeline/bf16_grads.py).
     """
 
     @staticmethod

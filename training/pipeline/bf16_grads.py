@@ -8,34 +8,48 @@ it adds each parameter's bf16 gradient into its fp32 one from a hook that autogr
 gradient is made: one Python call per parameter per micro-batch (148 for GPT-2 small), each a cast
 to a new fp32 tensor and an add. On a GPU the host must queue a backward's thousands of kernels ahead
 of the GPU, and these calls cost it as much as the rest of the backward's host work: one GPU step of
-GPT-2 small went 0.80x the plain loop's speed through the engine (docs/benchmarks.md, "GPU: one
-NVIDIA H200"). Without `immediate_grad_update`, DeepSpeed zeroes every bf16 gradient before each
-micro-batch (a pass over the tied (vocab, d) matrix) and adds them after its backward, again one
-parameter at a time. Here, after each backward: one `torch._foreach_add_` of every bf16 gradient
-into its fp32 one (the fp32 sum of the same numbers, bit for bit), and the bf16 gradients let go as
-the hooks let them go, so the next backward writes its gradients instead of adding into zeros.
+GPT-2 small went 0.66x the plain loop's speed through the engine, 0.95x without them
+(docs/benchmarks.md, "DeepSpeed's engine on an H200"). Without `immediate_grad_update`, DeepSpeed
+zeroes every bf16 gradient before each micro-batch (a pass over the tied (vocab, d) matrix) and adds
+them after its backward, again one parameter at a time. Here, after each backward: one
+`torch._foreach_add_` of every bf16 gradient into its fp32 one (fp32 += bf16 computed in fp32, as
+DeepSpeed's cast and add), and the bf16 gradients let go, so the next backward writes its gradients
+instead of adding into zeros.
+
+The sums are DeepSpeed's bit for bit where a stage's backward is one call (tests/launch/test_recipes.py).
+A RETRO stage that sends its neighbours on as well as its hidden states gets one backward per output
+from DeepSpeed's pipe engine; there a parameter on both paths (the token embedding, the encoder and
+the blocks it reads) sums its two parts in bf16 before the fp32 add, as one process's backward sums
+them, where the hooks added each part to fp32 alone. The cost: a stage's bf16 gradients are all alive at
+the end of its backward (2 bytes a parameter at the peak), where the hooks let each go as it came.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
-# What the replacement reads and writes on DeepSpeed's BF16_Optimizer (0.15 to 0.19 at least).
-_NEEDS = ("bf16_groups", "fp32_groups_gradients", "fp32_groups_has_gradients", "immediate_grad_update",
-          "update_hp_grads")
+# What the replacement reads and writes on DeepSpeed's BF16_Optimizer (0.15 to 0.19).
+_NEEDS = ("bf16_groups", "fp32_groups_gradients", "fp32_groups_has_gradients", "update_hp_grads")
 
 
 def add_grads_in_one_call(engine) -> bool:
     """Replace the engine's bf16 optimizer's `update_hp_grads` (the call DeepSpeed makes after each
     micro-batch's backward when `bf16.immediate_grad_update` is off) with one foreach add.
 
-    Leaves DeepSpeed's own accumulation, and returns False, where there is no bf16 optimizer, where
-    `immediate_grad_update` is on (train.deepspeed may ask for it) or where the optimizer lacks what
-    the replacement uses (another DeepSpeed).
+    Returns False, leaving DeepSpeed's own accumulation, where there is no bf16 optimizer or
+    `immediate_grad_update` is on (train.deepspeed may ask for it); and, with a warning, where the
+    optimizer lacks what the replacement uses (another DeepSpeed) or does more per parameter than
+    add (CUDA graph harvesting, expert-parallel folding).
     """
     optimizer = engine.optimizer
-    if not all(hasattr(optimizer, name) for name in _NEEDS) or optimizer.immediate_grad_update:
+    if getattr(optimizer, "immediate_grad_update", True):  # not BF16_Optimizer, or its hooks asked for
         return False
-    if getattr(optimizer, "autoep_folding_tp_group", None) is not None:  # its per-parameter correction
+    missing = [name for name in _NEEDS if not hasattr(optimizer, name)]
+    extra = [name for name in ("graph_harvesting", "autoep_folding_tp_group") if getattr(optimizer, name, None)]
+    if missing or extra:
+        warnings.warn(f"bf16 gradients: DeepSpeed's own accumulation, one parameter at a time (its optimizer "
+                      f"{'lacks ' + ', '.join(missing) if missing else 'uses ' + ', '.join(extra)})", stacklevel=2)
         return False
 
     @torch.no_grad()
@@ -50,9 +64,9 @@ def add_grads_in_one_call(engine) -> bool:
                 bf16.append(param.grad.view(hp_grad.shape))
                 param._hp_grad = hp_grad  # what the pipe engine all-reduces for tied weights
                 optimizer.fp32_groups_has_gradients[i][j] = True
-                param.grad = None  # as immediate_grad_update does: nothing reads it before the step
+                param.grad = None  # nothing reads it before the step; the next backward writes afresh
         if fp32:
-            torch._foreach_add_(fp32, bf16)  # fp32 += bf16, computed in fp32, as DeepSpeed's cast and add
+            torch._foreach_add_(fp32, bf16)  # one add kernel a parameter, launched from C++
 
     optimizer.update_hp_grads = update_hp_grads
     return True
