@@ -16,12 +16,10 @@ them after its backward, again one parameter at a time. Here, after each backwar
 DeepSpeed's cast and add), and the bf16 gradients let go, so the next backward writes its gradients
 instead of adding into zeros.
 
-The sums are DeepSpeed's bit for bit where a stage's backward is one call (tests/launch/test_recipes.py).
-A RETRO stage that sends its neighbours on as well as its hidden states gets one backward per output
-from DeepSpeed's pipe engine; there a parameter on both paths (the token embedding, the encoder and
-the blocks it reads) sums its two parts in bf16 before the fp32 add, as one process's backward sums
-them, where the hooks added each part to fp32 alone. The cost: a stage's bf16 gradients are all alive at
-the end of its backward (2 bytes a parameter at the peak), where the hooks let each go as it came.
+The sums are DeepSpeed's bit for bit (tests/launch/test_recipes.py): every stage runs one backward
+a micro-batch, RETRO's too, whose hidden states and neighbours cross a cut as one tensor
+(stage_boundary.py). The cost: a stage's bf16 gradients are all alive at the end of its backward
+(2 bytes a parameter at the peak), where the hooks let each go as it came.
 """
 from __future__ import annotations
 
