@@ -20,7 +20,7 @@ tokens, random tokens; RETRO gets 2 random neighbours of 2 · chunk_len tokens p
 
 - single: `build_model(cfg, layer_seed=seed)` + AdamW with gradient accumulation, one process using
   every core; bf16 as DeepSpeed's bf16 mode trains: a bf16 model whose gradients are added to fp32
-  ones after each micro-batch, and AdamW over an fp32 master copy, copied back after its step;
+  ones in one call after each micro-batch, and AdamW over an fp32 master copy, copied back after its step;
 - pipeline: `build_pipeline` + `deepspeed.initialize`, `--stages` stages on as many processes
   over gloo (NCCL with `--device cuda`, one GPU per stage), exactly what launch/train.py runs,
   minus data loading. `--threads` lists the
@@ -110,8 +110,11 @@ def run_single(args, kind: str) -> float:
         block.compile()  # as compile_blocks does a stage's
     loss_of = FusedLoss() if train.fused_head else lambda logits, labels: loss_fn(logits.float(), labels)
     params = list(model.parameters())
-    # bf16 as DeepSpeed's BF16_Optimizer: fp32 master weights and gradients (immediate_grad_update).
+    # bf16 as DeepSpeed's BF16_Optimizer trains: fp32 master weights and gradients, each micro-batch's
+    # bf16 gradients added to the fp32 ones in one call and let go (training/pipeline/bf16_grads.py).
     master = [p.detach().float().requires_grad_() for p in params] if bf16 else params
+    for m in master if bf16 else []:
+        m.grad = torch.zeros_like(m)
     opt = torch.optim.AdamW(master, lr=1e-4, fused=True)  # as training/pipeline/deepspeed_config.py
     rng = torch.Generator().manual_seed(0)
     batches = [onto_device(random_micro_batch(model_cfg, train, rng), device) for _ in range(train.micro_batches)]
@@ -120,13 +123,14 @@ def run_single(args, kind: str) -> float:
         for inputs, labels in batches:
             outputs = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
             (loss_of(outputs, labels) / train.micro_batches).backward()
-            for m, p in zip(master, params) if bf16 else []:
-                if p.grad is not None:  # a frozen parameter has none
-                    m.grad = p.grad.float() if m.grad is None else m.grad.add_(p.grad)
+            if bf16:
+                pairs = [(m, p) for m, p in zip(master, params) if p.grad is not None]  # frozen: none
+                torch._foreach_add_([m.grad for m, _ in pairs], [p.grad for _, p in pairs])
+                for _, p in pairs:
                     p.grad = None
         torch.nn.utils.clip_grad_norm_(master, train.grad_clip)
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=not bf16)  # bf16: the fp32 gradients stay, zeroed, to be added into
         if bf16:
             with torch.no_grad():
                 torch._foreach_copy_(params, master)
