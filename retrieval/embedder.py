@@ -134,6 +134,18 @@ def resolve_embed_precision(precision: str, device: str) -> str:
     return precision
 
 
+def query_precision(database: str, device: str) -> str:
+    """The precision a database's queries are embedded in on `device`: the database's own (its
+    embeddings' manifest), as exact copies then find each other, unless this device would only
+    emulate it (fp16 on a CPU; bf16 on a CPU without bf16 instructions, 15-170x slower): then fp32,
+    whose vectors are within that precision's rounding of the database's."""
+    from retropipe.data.cpu import cpu_has_bf16
+
+    if not str(device).startswith("cuda") and (database == "fp16" or (database == "bf16" and not cpu_has_bf16())):
+        return "fp32"
+    return database
+
+
 def load_embedder(path: Path, device: str = "cpu", threads: int | None = None, precision: str = "fp32",
                   backend: str = "auto"):
     """The model of a local directory, in eval mode, its weights in `precision` (fp32, bf16 or

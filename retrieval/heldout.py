@@ -95,7 +95,7 @@ def split_neighbours(retriever: Retriever, store: ChunkStore, split: str, out_di
         emb_dir = out_dir.parent / "embeddings"
         emb_dir.mkdir(parents=True, exist_ok=True)
         manifest = embed_store(store, emb_dir, cfg.embedder, cfg.embed_batch_size, embed_runner_on(device),
-                               precision=retriever.precision)  # as the database was embedded
+                               precision=retriever.precision)  # as the retriever embeds its queries
         query_emb = Embeddings(emb_dir, manifest)
     if query_emb.manifest.get("chunk_store_fingerprint") != store.fingerprint:
         raise DataError(f"{query_emb.dir}: embeddings of another chunk store than {store.root}")

@@ -33,6 +33,7 @@ from retropipe.retrieval.config import RetrievalConfig
 from retropipe.retrieval.database import open_vectors
 from retropipe.retrieval.embed import (cached_embedder, chunk_texts, embed, model_identity, resolve_embed_precision,
                                        resolve_model_path)
+from retropipe.retrieval.embedder import query_precision
 from retropipe.retrieval.index import load_index
 from retropipe.retrieval.neighbours import find_neighbours
 
@@ -106,8 +107,9 @@ class Retriever:
             raise RetrievalError(f"config key 'retrieval.embedder': {model_path} is not the model the database at "
                                  f"{root} was embedded with ({self.database.manifest['embedder']['name']})")
         self.model_path, self.device = model_path, device
-        # Queries are embedded as the database was (its embeddings' manifest says how).
-        self.precision = self.vectors.parts[0][1].manifest.get("precision", "fp32")
+        # Queries are embedded as the database was (its embeddings' manifest says how), where this
+        # device computes that precision (query_precision).
+        self.precision = query_precision(self.vectors.parts[0][1].manifest.get("precision", "fp32"), device)
         self._model = None
 
     @property

@@ -156,18 +156,24 @@ def test_the_bundled_and_a_local_model_never_touch_the_network():
     assert "tried: [] (1, 384)" in proc.stdout, proc.stdout
 
 
-def test_embed_precision_auto_follows_the_hardware_and_queries_follow_their_database(monkeypatch, tmp_path,
-                                                                                   kernels_unheld):
+def test_embed_precision_auto_follows_the_hardware_and_queries_follow_their_database(monkeypatch, kernels_unheld):
     """bf16 where the CPU has bf16 matmuls (AVX512-BF16, AMX), fp16 on a GPU, fp32 elsewhere; the
-    choice is recorded in the embeddings' manifest and a Retriever embeds queries the same way."""
+    choice is recorded in the embeddings' manifest and a Retriever embeds queries the same way
+    where its device computes that precision (query_precision)."""
     import retropipe.data.cpu as cpu
-    from retropipe.retrieval.embedder import resolve_embed_precision
+    from retropipe.retrieval.embedder import query_precision, resolve_embed_precision
 
     monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
     assert resolve_embed_precision("auto", "cpu") == "bf16" and resolve_embed_precision("auto", "cuda") == "fp16"
     monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
     assert resolve_embed_precision("auto", "cpu") == "fp32" and resolve_embed_precision("fp16", "cpu") == "fp32"
     assert resolve_embed_precision("bf16", "cpu") == "bf16"  # asked for: emulated, but done
+    # Queries follow their database's precision where this device computes it, else fp32: a database
+    # embedded in bf16 (a CPU with bf16) or fp16 (a GPU), queried on a CPU without bf16 instructions.
+    assert [query_precision(p, "cpu") for p in ("bf16", "fp16", "fp32")] == ["fp32", "fp32", "fp32"]
+    assert [query_precision(p, "cuda") for p in ("bf16", "fp16", "fp32")] == ["bf16", "fp16", "fp32"]
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
+    assert [query_precision(p, "cpu") for p in ("bf16", "fp16", "fp32")] == ["bf16", "fp32", "fp32"]
 
 
 def test_bf16_by_name_on_a_cpu_that_emulates_it_embeds_in_bf16_with_a_warning(monkeypatch, capsys, kernels_unheld):
