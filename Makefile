@@ -38,7 +38,7 @@ demo: $(STAMP)
 	$(PY) launch/demo.py --config $(CONFIG)
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=10
 
 bench: $(STAMP)
 	$(PY) bench/prepare_data.py
