@@ -3,8 +3,9 @@
 Recipes: the GPT-2 baseline, RETRO, RETRO from the baseline's weights (`train.init_from`),
 RETRO-fit with a frozen trunk (`configs/tiny-retrofit.yaml`), a finished run extended
 (`train.steps` raised) and a branch (`train.branch_from`), these two in bf16 (fp32's have their own
-tests in tests/launch/test_training.py), and bf16 with DeepSpeed's own gradient accumulation. Each trains 2 steps (the extension and the branch one
-more) with real DeepSpeed on 2 CPU processes; each asserts its first loss
+tests in tests/launch/test_training.py), and bf16 with DeepSpeed's own gradient accumulation. Each
+trains 2 steps (the extension, the branch and the last one more) with real DeepSpeed on 2 CPU
+processes; each asserts its first loss
 and that the stages' copies of the tied embedding agree. The first loss of a fresh or warm-started
 run is computed again in-process from the same weights and micro-batches; the extension's and
 the branch's must be equal, both continuing the same checkpoint.
