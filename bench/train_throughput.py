@@ -386,7 +386,7 @@ def main() -> None:
         print(f"{row[0]} fused={row[1]} {row[10]} {row[2]}: pipeline {row[4] / first[4]:.2f}× the tokens/s of "
               f"{first[0]} fused={first[1]} {first[10]} {first[2]}, peak rank RSS {row[8] / first[8]:.2f}×")
     best = max(rows, key=lambda r: r[5])
-    print(f"goal: pipeline ≥ 0.85× single (best: {best[5]:.2f}× with {best[2]} threads)")
+    print(f"goal: pipeline ≥ 0.85× single (best: {best[5]:.2f}× with {best[2]})")
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ from retropipe.data.store import ChunkStore
 from retropipe.retrieval.config import RetrievalConfig
 from retropipe.retrieval.embed import (Embeddings, cached_embedder, embed_job, embed_store, resolve_embed_precision,
                                        serial_embed_runner)
+from retropipe.retrieval.embedder import query_precision
 from retropipe.retrieval.neighbours import query_neighbours
 from retropipe.retrieval.query import Retriever
 
@@ -90,12 +91,14 @@ def split_neighbours(retriever: Retriever, store: ChunkStore, split: str, out_di
     """Neighbours of every chunk of store's split in the retriever's database (cached in out_dir);
     new query embeddings are computed on `device`."""
     out_dir = Path(out_dir)
+    # Embedded as the database was, or in fp32 where `device` would only emulate that (query_precision).
+    precision = query_precision(retriever.database_precision, device)
     if (query_emb is None or query_emb.manifest.get("model_sha256") != retriever.embedder_identity["sha256"]
-            or query_emb.manifest.get("precision", "fp32") != retriever.precision):
+            or query_emb.manifest.get("precision", "fp32") not in (precision, retriever.database_precision)):
         emb_dir = out_dir.parent / "embeddings"
         emb_dir.mkdir(parents=True, exist_ok=True)
         manifest = embed_store(store, emb_dir, cfg.embedder, cfg.embed_batch_size, embed_runner_on(device),
-                               precision=retriever.precision)  # as the retriever embeds its queries
+                               precision=precision)
         query_emb = Embeddings(emb_dir, manifest)
     if query_emb.manifest.get("chunk_store_fingerprint") != store.fingerprint:
         raise DataError(f"{query_emb.dir}: embeddings of another chunk store than {store.root}")

@@ -109,7 +109,8 @@ class Retriever:
         self.model_path, self.device = model_path, device
         # Queries are embedded as the database was (its embeddings' manifest says how), where this
         # device computes that precision (query_precision).
-        self.precision = query_precision(self.vectors.parts[0][1].manifest.get("precision", "fp32"), device)
+        self.database_precision = self.vectors.parts[0][1].manifest.get("precision", "fp32")
+        self.precision = query_precision(self.database_precision, device)
         self._model = None
 
     @property
