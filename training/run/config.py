@@ -60,8 +60,8 @@ class TrainConfig:
     # PipelineModule.compile does each layer (the other layers, lookups and the fused head, stay
     # eager): it fuses the elementwise work around the matmuls, most of RETRO's encoder on a GPU.
     # The first step compiles (on a CPU a minute or more, with a C++ compiler). Off by default: on a
-    # CPU it gains nothing measurable. On a GPU turn it on for RETRO: through the engine on an H200,
-    # RETRO small 1.19-1.45x the tokens/s, GPT-2 small 1.04x (docs/benchmarks.md).
+    # CPU it gains nothing measurable. On a GPU try it for RETRO: through the engine on an H200,
+    # RETRO small 1.19x the tokens/s (docs/benchmarks.md).
     compile: bool = False
     # Checkpoint every N steps and at the end; keep the newest K.
     checkpoint_every: int = 100
