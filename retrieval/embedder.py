@@ -141,9 +141,9 @@ def query_precision(database: str, device: str) -> str:
     whose vectors are within that precision's rounding of the database's."""
     from retropipe.data.cpu import cpu_has_bf16
 
-    if not str(device).startswith("cuda") and (database == "fp16" or (database == "bf16" and not cpu_has_bf16())):
+    if database == "bf16" and not str(device).startswith("cuda") and not cpu_has_bf16():
         return "fp32"
-    return database
+    return resolve_embed_precision(database, device)   # fp16 on a CPU is fp32 there already
 
 
 def load_embedder(path: Path, device: str = "cpu", threads: int | None = None, precision: str = "fp32",
