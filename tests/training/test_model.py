@@ -247,6 +247,24 @@ def test_the_head_padded_with_zero_rows_gives_the_same_loss_and_gradients(monkey
     assert results[1][2].shape == w.shape
 
 
+def test_the_heads_gradient_of_the_matrix_is_a_whole_tensor_not_a_view():
+    """Unpadded, the head hands autograd W's gradient as a tensor of its own: autograd then adds a
+    second use's gradient of the tied matrix (the lookup's) into it in place, where into a view it
+    would allocate a third (V, d) tensor per backward (docs/benchmarks.md)."""
+    import torch.nn.functional as F
+
+    from retropipe.training.models.lm_head import lm_loss
+
+    torch.manual_seed(0)
+    h, w = torch.randn(2, 5, 8, requires_grad=True), torch.randn(13, 8, requires_grad=True)
+    y = torch.randint(0, 13, (2, 5))
+    g = torch.autograd.grad(lm_loss(h, w, y, slice_tokens=4), w)[0]
+    assert g._base is None and g.shape == w.shape
+    plain = w.detach().clone().requires_grad_()
+    expected = torch.autograd.grad(F.cross_entropy((h.detach() @ plain.t()).flatten(0, 1), y.flatten()), plain)[0]
+    torch.testing.assert_close(g, expected)
+
+
 def test_the_lookups_gradient_is_added_in_place_and_equals_the_embeddings():
     """model.lookup: over accumulated micro-batches its weight gradient equals F.embedding's, the
     first micro-batch hands autograd a dense gradient and later ones a sparse one that is added in

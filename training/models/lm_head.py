@@ -121,7 +121,12 @@ class _FusedLMLoss(torch.autograd.Function):
         grad_h = grad_rows
         if want_h and rows is not None:                                               # no target: 0
             grad_h = torch.zeros_like(h).index_copy_(0, rows, grad_rows)
-        ctx.save_for_backward(grad_h, grad_w[:vocab] if want_w else None)
+        # W's gradient whole, not a view of itself, where there is no padding: autograd then adds a
+        # second use's gradient of the tied matrix (the lookup's, in one process) into it in place,
+        # not into a new (V, d) tensor, fresh pages on a CPU (docs/benchmarks.md).
+        if want_w and len(grad_w) > vocab:
+            grad_w = grad_w[:vocab]
+        ctx.save_for_backward(grad_h, grad_w if want_w else None)
         return total
 
     @staticmethod
