@@ -5,7 +5,7 @@
 
 Takes the parts of the database a build wrote under `<workdir>/retrieval/database.json` (after
 `make demo`: the training split and the second edition) and embeds all of them in this process
-(`retrieval.embed.embed_stores` with the serial runner, all cores, the embedder's precision on
+(`retrieval.embed_job.embed_stores` with the serial runner, all cores, the embedder's precision on
 this CPU), alternating `--rounds` times: as a build does, each chunk that copies an earlier one
 taking its source's vector (`retrieval/copies.py`), and with every job told to skip nothing, so
 every chunk goes through the model (its copies' rows are then overwritten with their sources'
@@ -33,7 +33,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from retropipe.data.chunking import SPLITS  # noqa: E402
 from retropipe.data.store import ChunkStore  # noqa: E402
 from retropipe.retrieval.copies import find_copies  # noqa: E402
-from retropipe.retrieval.embed import (cached_embedder, embed_stores, resolve_model_path, runner_precision,  # noqa: E402
+from retropipe.retrieval.embed_job import (cached_embedder, embed_stores, resolve_model_path, runner_precision,  # noqa: E402
                                        serial_embed_runner)
 
 

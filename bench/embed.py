@@ -7,7 +7,7 @@
 
 Prints, measured side by side in one run: chunks/s of the bundled all-MiniLM-L6-v2 on the
 first N training chunks of a freshly prepared corpus, (a) in this process with all cores
-(`retrieval.embed.embed`, job by job as the serial runner does) in each of `--precisions`
+(`retrieval.embed_job.embed`, job by job as the serial runner does) in each of `--precisions`
 (`retrieval.embed_precision` values; auto = what a build on this device picks), with each one's
 speed over fp32's and how many of each chunk's top-2 neighbour ids among these chunks (cosine,
 itself excluded) stay those of fp32; and (b) through `retrieval.ray_embed.RayEmbedRunner` with
@@ -48,7 +48,7 @@ from retropipe.data.prepare import prepare  # noqa: E402
 from retropipe.data.store import ChunkStore  # noqa: E402
 from retropipe.data.tokenizer import get_tokenizer  # noqa: E402
 from retropipe.launch.ray_utils import RayExecutor  # noqa: E402
-from retropipe.retrieval.embed import (EmbedJob, EmbedSpec, chunk_texts, embed, load_embedder, sub_batches,  # noqa: E402
+from retropipe.retrieval.embed_job import (EmbedJob, EmbedSpec, chunk_texts, embed, load_embedder, sub_batches,  # noqa: E402
                                        plan_jobs, resolve_embed_precision, resolve_model_path, token_lengths)
 from retropipe.retrieval.config import RetrievalConfig  # noqa: E402
 from retropipe.retrieval.ray_embed import EmbedChunks, RayEmbedRunner  # noqa: E402

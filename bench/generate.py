@@ -40,7 +40,7 @@ def main(argv=None) -> None:
 
     from retropipe.launch.cli import resolve_device
     from retropipe.training.evaluation.sampling import generate_samples
-    from retropipe.training.models.build import build_model
+    from retropipe.training.models.registry import build_model
     from retropipe.training.models.config import ModelConfig
     from retropipe.training.run.hardware import describe
 

@@ -4,7 +4,7 @@
 
 Synthetic embeddings stand in for a large corpus: `--clusters` random unit centres, each point
 its centre plus a Gaussian in a random `--rank`-dimensional subspace of that cluster (plus 10 %
-isotropic noise), normalised to unit length and rounded to float16, as retrieval/embed.py
+isotropic noise), normalised to unit length and rounded to float16, as retrieval/embed_job.py
 stores them. (`--rank 0` makes the clusters isotropic: every point of a cluster is then almost
 equally far from a query, the worst case for PQ codes.) Queries come from the same
 distribution but are not in the database, like validation chunks.
@@ -32,8 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 import numpy as np  # noqa: E402
 
 from retropipe.data.stage import save_npy  # noqa: E402
-from retropipe.retrieval.database import DatabaseVectors  # noqa: E402
-from retropipe.retrieval.embed import Embeddings  # noqa: E402
+from retropipe.retrieval.database_parts import DatabaseVectors  # noqa: E402
+from retropipe.retrieval.embed_job import Embeddings  # noqa: E402
 from retropipe.retrieval.index import build_index, load_index, recall_at_k, search, set_search_params  # noqa: E402
 
 
@@ -69,7 +69,7 @@ class ClusteredVectors:
 
 
 def write_embeddings(out: Path, db: np.ndarray, queries: np.ndarray, shard_size: int) -> Embeddings:
-    """An embeddings directory as retrieval/embed.py lays it out: float16 shards per split."""
+    """An embeddings directory as retrieval/embed_job.py lays it out: float16 shards per split."""
     shards, counts = {"train": [], "validation": []}, {"train": [], "validation": []}
     for split, x in (("train", db), ("validation", queries)):
         (out / split).mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 import torch  # noqa: E402
 
-from retropipe.training.models.build import build_model  # noqa: E402
+from retropipe.training.models.registry import build_model  # noqa: E402
 from retropipe.training.models.config import ModelConfig  # noqa: E402
 from retropipe.training.models.flops import flops_per_token, mfu  # noqa: E402
 from retropipe.training.models.gpt2 import FusedLoss  # noqa: E402

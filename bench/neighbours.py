@@ -29,14 +29,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 from retropipe.data.config import DataConfig  # noqa: E402
-from retropipe.data.database import Database  # noqa: E402
+from retropipe.data.database_reader import Database  # noqa: E402
 from retropipe.data.prepare import prepare  # noqa: E402
 from retropipe.data.store import ChunkStore  # noqa: E402
 from retropipe.retrieval.config import RetrievalConfig  # noqa: E402
-from retropipe.retrieval.database import DatabaseVectors, PartSource, open_vectors, write_database  # noqa: E402
-from retropipe.retrieval.embed import Embeddings, embed_store, model_identity, resolve_model_path  # noqa: E402
+from retropipe.retrieval.database_parts import DatabaseVectors, PartSource, open_vectors, write_database  # noqa: E402
+from retropipe.retrieval.embed_job import Embeddings, embed_store, model_identity, resolve_model_path  # noqa: E402
 from retropipe.retrieval.index import build_index, load_index  # noqa: E402
-from retropipe.retrieval.neighbours import query_neighbours  # noqa: E402
+from retropipe.retrieval.neighbour_search import query_neighbours  # noqa: E402
 
 
 Build = tuple[ChunkStore, Embeddings, Database, DatabaseVectors]

@@ -73,7 +73,7 @@ def build(model: str, shape: str):
     """(module, step function computing the loss from (tokens (b, n+1), neighbours (b, l, k, r)))."""
     layers, width, heads, enc_width, enc_heads, cca, _ = SHAPES[shape]
     if model.startswith("retropipe"):
-        from retropipe.training.models.build import build_model
+        from retropipe.training.models.registry import build_model
         from retropipe.training.models.config import ModelConfig
         from retropipe.training.models.lm_head import lm_loss
 

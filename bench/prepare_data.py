@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 from retropipe.data.config import DEFAULT_CORPUS, DataConfig  # noqa: E402
 from retropipe.data.prepare import prepare  # noqa: E402
-from retropipe.data.readers import read_documents  # noqa: E402
+from retropipe.data.corpus_formats import read_documents  # noqa: E402
 from retropipe.data.tokenizer import get_tokenizer  # noqa: E402
 from retropipe.launch.ray_utils import RayExecutor  # noqa: E402
 

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
 from retropipe.data.cpu import HELD_KERNEL_VARIABLES  # noqa: E402
-from retropipe.training.models.build import build_model  # noqa: E402
+from retropipe.training.models.registry import build_model  # noqa: E402
 from retropipe.training.models.config import ModelConfig  # noqa: E402
 from retropipe.training.models.gpt2 import FusedLoss  # noqa: E402
 from retropipe.training.run.hardware import describe, resolve_precision  # noqa: E402

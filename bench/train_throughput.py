@@ -96,7 +96,7 @@ def run_single(args, kind: str) -> float:
     """Tokens/s of the plain loop (best step after warm-up), all cores in one process."""
     import torch
 
-    from retropipe.training.models.build import build_model
+    from retropipe.training.models.registry import build_model
     from retropipe.training.models.gpt2 import FusedLoss, loss_fn
     from retropipe.training.run.trainer import onto_device
 

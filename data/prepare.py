@@ -31,7 +31,7 @@ import pyarrow as pa
 from retropipe.data.chunking import SPLITS, Block, tokenize_block
 from retropipe.data.config import DataConfig
 from retropipe.data.errors import DataError
-from retropipe.data.readers import BadRecords, read_documents
+from retropipe.data.corpus_formats import BadRecords, read_documents
 from retropipe.data.stage import Executor, atomic_write, fault_point, fingerprint, output_settings, serial_executor
 from retropipe.data.tokenizer import get_tokenizer
 

@@ -5,7 +5,7 @@ at training, evaluation and generation alike.
     tokens = reading.tokens(database, ids, query)      # ids (..., k) → (..., k, r) int64, -1 = missing
     reading.settings()                                 # what a report's or a run's fingerprint records
 
-The neighbour ids come from a source: `data.neighbours.NeighbourStore` (computed for every chunk
+The neighbour ids come from a source: `data.neighbour_store.NeighbourStore` (computed for every chunk
 of a split by the retrieval build or an evaluation) or `retrieval.query.Retriever` (a live search
 for new text); both hand them to their `Reading`, which decides the rest:
   - `align`: each neighbour window slides along its document to line up with the query chunk
@@ -152,7 +152,7 @@ class Reading:
 
         query (..., chunk_len) int64, -1 = none: the tokens of the chunks the neighbours were
         retrieved for; needed to line them up (without it, or with align off, [N, F] as retrieved).
-        database: a data.database.Database.
+        database: a data.database_reader.Database.
         """
         ids = np.asarray(ids, dtype=np.int64)
         if not self.align or self.shuffled or query is None:

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     quiet_engines(args.verbose)
     from retropipe.data.errors import RetrievalError
-    from retropipe.retrieval.build import build_retrieval, summary
+    from retropipe.retrieval.build_database import build_retrieval, summary
     from retropipe.retrieval.ray_embed import RayEmbedRunner
 
     executor = None

@@ -12,7 +12,7 @@ report.json, config.yaml and PNG plots into --out (default <workdir>/reports) an
 `--corpus PATH` evaluates any held-out corpus (prepared with the training tokenizer, every
 document held out); `--database DIR` retrieves from another database built by
 launch/build_index.py (a bigger one, say) instead of <workdir>/retrieval: no retraining.
-`eval.database_curve` adds the database-size curve. The rules (rows, α) are training/evaluation/evaluate.py's.
+`eval.database_curve` adds the database-size curve. The rules (rows, α) are training/evaluation/report_rows.py's.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def evaluate(cfg, checkpoints: list[Path], split: str, out: Path, corpus: str | 
     from retropipe.data.store import ChunkStore
     from retropipe.data.tokenizer import get_tokenizer
     from retropipe.launch.report import how_trained, write_report
-    from retropipe.training.evaluation.evaluate import evaluate_models
+    from retropipe.training.evaluation.report_rows import evaluate_models
     from retropipe.training.evaluation.scoring import token_byte_lengths
     from retropipe.training.models.io import load_model
 

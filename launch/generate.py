@@ -67,7 +67,7 @@ def read_prompts(args) -> list[str]:
 
 def open_retrieval(cfg, model_cfg, k: int | None, device: str, database: Path | None = None):
     """(Retriever, k, tokenizer name) for a RETRO model, or a clear error; k None = eval.neighbours."""
-    from retropipe.data.neighbours import check_neighbour_count
+    from retropipe.data.neighbour_store import check_neighbour_count
     from retropipe.retrieval.query import Retriever, check_database
 
     root = Path(database or cfg.retrieval_dir)

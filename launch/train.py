@@ -70,7 +70,7 @@ def preflight(cfg, world_size: int):
     """Every check of the config and the data that can fail before any process group or model
     exists; returns the chunk store, the neighbours (RETRO) and the pipeline cut."""
     from retropipe.data.store import ChunkStore
-    from retropipe.training.models.build import layer_list
+    from retropipe.training.models.registry import layer_list
     from retropipe.training.run.hardware import gpu_has_bf16, inductor_cxx, local_gpu, local_processes, too_few_gpus
 
     t = as_run(cfg).train
@@ -111,7 +111,7 @@ def preflight(cfg, world_size: int):
                             f"train.micro_batch_size ({t.micro_batch_size})")
     neighbours = None
     if cfg.model.retrieves:
-        from retropipe.data.neighbours import NeighbourStore
+        from retropipe.data.neighbour_store import NeighbourStore
         from retropipe.data.reading import Reading
         neighbours = NeighbourStore.of(cfg.retrieval_dir, store, chunks_per_seq=t.seq_len // store.chunk_len,
                                         reading=Reading.for_training(cfg.retrieval))
@@ -215,7 +215,7 @@ def train(cfg, store, neighbours, run_dir: Path, start, rank: int, progress: boo
         return 1
     state = pipe.gather_state_dict()
     if rank == 0:
-        from retropipe.training.models.build import build_model
+        from retropipe.training.models.registry import build_model
         from retropipe.training.models.io import save_model
 
         model = build_model(cfg.model)

@@ -5,7 +5,7 @@
     model = load_embedder(path, device="cpu")          # never touches the network
 
 Only a hub id reaches the network, and only through huggingface_hub (offline: its cache). Every
-failure is a RetrievalError naming retrieval.embedder. The embedding itself is retrieval/embed.py.
+failure is a RetrievalError naming retrieval.embedder. The embedding itself is retrieval/embed_job.py.
 """
 
 from __future__ import annotations

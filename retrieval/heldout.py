@@ -2,10 +2,10 @@
 
     store = prepare_heldout(cfg.data, "other.jsonl", out_dir / "data", train_store)   # every document held out
     nbrs = split_neighbours(retriever, store, "validation", out_dir / "neighbours-full", cfg.retrieval)
-    nbrs.neighbour_tokens("validation", chunk_ids, k)     # data.neighbours.NeighbourStore, as in training
+    nbrs.neighbour_tokens("validation", chunk_ids, k)     # data.neighbour_store.NeighbourStore, as in training
 
 The output is an ordinary neighbours directory (`<split>.npy` + manifest.json naming the query
-chunk store and the database, see retrieval/neighbours.py), read by `NeighbourStore` like the
+chunk store and the database, see retrieval/neighbour_search.py), read by `NeighbourStore` like the
 training data's. The query chunks are embedded with the database's embedder into
 `<out_dir>/embeddings` on `device` (skipped when `query_emb` already holds them, e.g. the training data's
 validation split and a database embedded with the same model). Exclusion: a chunk never
@@ -26,18 +26,18 @@ from pathlib import Path
 import numpy as np
 
 from retropipe.data.config import DataConfig
-from retropipe.data.database import Database
+from retropipe.data.database_reader import Database
 from retropipe.data.errors import ConfigError, DataError
-from retropipe.data.neighbours import NeighbourStore
+from retropipe.data.neighbour_store import NeighbourStore
 from retropipe.data.prepare import prepare
 from retropipe.data.reading import Reading
 from retropipe.data.stage import fingerprint, path_tag, read_json
 from retropipe.data.store import ChunkStore
 from retropipe.retrieval.config import RetrievalConfig
-from retropipe.retrieval.embed import (Embeddings, cached_embedder, embed_job, embed_store, resolve_embed_precision,
+from retropipe.retrieval.embed_job import (Embeddings, cached_embedder, embed_job, embed_store, resolve_embed_precision,
                                        serial_embed_runner)
 from retropipe.retrieval.embedder import query_precision
-from retropipe.retrieval.neighbours import query_neighbours
+from retropipe.retrieval.neighbour_search import query_neighbours
 from retropipe.retrieval.query import Retriever
 
 
@@ -69,7 +69,7 @@ def database_subset(database: Database, fraction: float, seed: int) -> tuple[np.
 
 
 def embed_runner_on(device: str):
-    """retrieval.embed's serial runner with the embedder on `device` (that one always uses the CPU)."""
+    """retrieval.embed_job's serial runner with the embedder on `device` (that one always uses the CPU)."""
     if device == "cpu":
         return serial_embed_runner
 
@@ -102,7 +102,7 @@ def split_neighbours(retriever: Retriever, store: ChunkStore, split: str, out_di
         query_emb = Embeddings(emb_dir, manifest)
     if query_emb.manifest.get("chunk_store_fingerprint") != store.fingerprint:
         raise DataError(f"{query_emb.dir}: embeddings of another chunk store than {store.root}")
-    from retropipe.retrieval.build import neighbour_inputs
+    from retropipe.retrieval.build_database import neighbour_inputs
 
     inputs = neighbour_inputs(cfg, retriever.database, store, retriever.index_manifest, None,
                               query_embeddings=query_emb.fingerprint, split=split,

@@ -10,7 +10,7 @@ IVF indexes are merged with on-disk inverted lists (`faiss.contrib.ondisk.merge_
 merged index need not fit in one worker's memory; flat-code indexes (Flat, PQ, SQ) are merged
 in memory; anything else (e.g. plain HNSW) is added in one pass by the driver.
 
-Vectors come from `retrieval.database.DatabaseVectors`: every part's embedding shards in
+Vectors come from `retrieval.database_parts.DatabaseVectors`: every part's embedding shards in
 database-id order, so the index's ids are database ids.
 
 Layout of `<retrieval_dir>/index/`:
@@ -144,7 +144,7 @@ def build_index(vectors, out_dir: Path, factory: str, train_sample: int, seed: i
                 executor: Executor = serial_executor, workers: int = 2) -> dict:
     """Train, add in shards, merge (resumable); return the manifest (without the recall check).
 
-    vectors: a retrieval.database.DatabaseVectors (shard_files(), shards(), rows(ids), dim, fingerprint).
+    vectors: a retrieval.database_parts.DatabaseVectors (shard_files(), shards(), rows(ids), dim, fingerprint).
     """
     inputs = {"version": MANIFEST_VERSION, "embeddings_fingerprint": vectors.fingerprint, "factory": factory,
               "train_sample": train_sample, "seed": seed}
@@ -336,7 +336,7 @@ def recall_check(index, vectors, query_emb, k: int, n_queries: int, seed: int, f
                  rerank: bool = False) -> dict:
     """recall@k of the index (as the neighbour stage searches it: `fetch` candidates, optionally
     re-ranked) against exact search over `vectors` (DatabaseVectors), on validation chunks of the
-    training data (query_emb: its retrieval.embed.Embeddings), which are not in the database."""
+    training data (query_emb: its retrieval.embed_job.Embeddings), which are not in the database."""
     split = "validation" if query_emb.count("validation") else "train"
     total = query_emb.count(split)
     n = min(n_queries, total)

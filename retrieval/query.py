@@ -24,18 +24,18 @@ from pathlib import Path
 
 import numpy as np
 
-from retropipe.data.database import Database
+from retropipe.data.database_reader import Database
 from retropipe.data.errors import BUILD_DATABASE, RetrievalError
-from retropipe.data.neighbours import check_neighbour_count
+from retropipe.data.neighbour_store import check_neighbour_count
 from retropipe.data.reading import Reading
 from retropipe.data.stage import read_json
 from retropipe.retrieval.config import RetrievalConfig
-from retropipe.retrieval.database import open_vectors
-from retropipe.retrieval.embed import (cached_embedder, chunk_texts, embed, model_identity, resolve_embed_precision,
+from retropipe.retrieval.database_parts import open_vectors
+from retropipe.retrieval.embed_job import (cached_embedder, chunk_texts, embed, model_identity, resolve_embed_precision,
                                        resolve_model_path)
 from retropipe.retrieval.embedder import query_precision
 from retropipe.retrieval.index import load_index
-from retropipe.retrieval.neighbours import find_neighbours
+from retropipe.retrieval.neighbour_search import find_neighbours
 
 STAGES = ("index", "neighbours")
 # FAISS's GPU k-selection handles at most this many results per query (GPU_MAX_SELECTION_K).

@@ -1,4 +1,4 @@
-"""The thin Ray Data adapter of the embedding stage: a class UDF around `retrieval.embed.embed_job`.
+"""The thin Ray Data adapter of the embedding stage: a class UDF around `retrieval.embed_job.embed_job`.
 
 Jobs (part, split, shard, start, stop, the copies to skip) go in as rows, every part of the database in one pass;
 `EmbedChunks` actors load the model once each (a GPU per actor when the cluster has GPUs and
@@ -22,7 +22,7 @@ import numpy as np
 
 from retropipe.data.chunking import SPLITS
 from retropipe.data.errors import RetrievalError
-from retropipe.retrieval.embed import EmbedJob, EmbedSpec
+from retropipe.retrieval.embed_job import EmbedJob, EmbedSpec
 
 KILL_NODE_ENV = "RETROPIPE_KILL_NODE_AFTER"
 
@@ -45,7 +45,7 @@ class EmbedChunks:
         self.jobs_done = 0
 
     def embed_one(self, job: EmbedJob) -> np.ndarray:
-        from retropipe.retrieval.embed import embed_job
+        from retropipe.retrieval.embed_job import embed_job
 
         return embed_job(self.model, self.stores[job.part], self.encoding, job, self.spec.sub_batch)
 

@@ -21,7 +21,7 @@ import torch  # noqa: E402
 def built(tmp_path_factory):
     """A topic store and its retrieval database, built once in-process: the reference that the
     retrieval tests (in-process and on Ray) compare against. Read it; copy it to change it."""
-    from retropipe.retrieval.build import build_retrieval
+    from retropipe.retrieval.build_database import build_retrieval
     from tests.corpora import SEQ_CHUNKS, make_store, retrieval_cfg, topic_docs
 
     root = tmp_path_factory.mktemp("built")

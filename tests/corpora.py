@@ -58,7 +58,7 @@ def retrieval_cfg(**kw) -> RetrievalConfig:
 def build_workdir(cfg) -> None:
     """A composed config's data and retrieval database, built in-process (as `make demo`'s first
     two stages build them, without Ray)."""
-    from retropipe.retrieval.build import build_retrieval
+    from retropipe.retrieval.build_database import build_retrieval
 
     prepare(cfg.data, cfg.data_dir, progress=False)
     build_retrieval(cfg.retrieval, ChunkStore(cfg.data_dir), cfg.retrieval_dir,

@@ -67,7 +67,7 @@ def _one_word_less(text: str, rng: random.Random) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from retropipe.data.readers import BadRecords, read_documents
+    from retropipe.data.corpus_formats import BadRecords, read_documents
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--corpus", default=str(ROOT / "corpus" / "jargon_devil.jsonl.gz"))

@@ -1,4 +1,4 @@
-"""Reading the neighbours (data/neighbours.py, data/reading.py): what a chunk of a split is given,
+"""Reading the neighbours (data/neighbour_store.py, data/reading.py): what a chunk of a split is given,
 lined up with it or not, filtered, shuffled; on the handcrafted topic corpora of tests/corpora.py and
 their real retrieval database (the session's `built` fixture).
 """
@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 from retropipe.data.errors import DataError
-from retropipe.data.neighbours import NeighbourStore
+from retropipe.data.neighbour_store import NeighbourStore
 from retropipe.data.reading import ALIGNMENT_RULE, Reading, shuffled_order
 from retropipe.data.stage import read_json, save_npy, write_json
-from retropipe.retrieval.build import build_retrieval
+from retropipe.retrieval.build_database import build_retrieval
 from tests.corpora import CHUNK_LEN, SEQ_CHUNKS, TOPICS, make_store, retrieval_cfg
 
-# --- the reader (data/neighbours.py) -------------------------------------------------------
+# --- the reader (data/neighbour_store.py) -------------------------------------------------------
 
 def test_neighbour_store_tokens(built):
     root, store, _ = built

@@ -207,7 +207,7 @@ def test_eval_precision_auto_follows_the_device(monkeypatch, kernels_unheld):
     from retropipe.data import cpu
     from retropipe.launch.evaluate import scoring_precision_on
     from retropipe.training.evaluation.config import EvalConfig
-    from retropipe.training.evaluation.evaluate import evaluate_models
+    from retropipe.training.evaluation.report_rows import evaluate_models
 
     monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
     assert scoring_precision_on("auto", "cpu") == "fp32" and scoring_precision_on("bf16", "cpu") == "bf16"

@@ -87,7 +87,7 @@ class TableNeighbours:
 
 def test_a_database_curve_point_that_reads_what_retro_on_read_is_not_scored_again(tiny):
     from retropipe.training.evaluation.config import EvalConfig
-    from retropipe.training.evaluation.evaluate import evaluate_models
+    from retropipe.training.evaluation.report_rows import evaluate_models
     from retropipe.training.models.retro import Retro
 
     chunks, _, enc = tiny
@@ -112,7 +112,7 @@ def test_scoring_in_bf16_runs_in_bf16_and_agrees_with_fp32(tiny):
     """eval.precision: bf16 scores differ from fp32's (the matmuls and the head's softmax run in
     bf16) by bf16's rounding only; the report names the precision it scored in."""
     from retropipe.training.evaluation.config import EvalConfig
-    from retropipe.training.evaluation.evaluate import evaluate_models
+    from retropipe.training.evaluation.report_rows import evaluate_models
 
     chunks, model, enc = tiny
     reports = {p: evaluate_models([("gpt2", model)], chunks, token_byte_lengths(enc),
@@ -190,7 +190,7 @@ def test_longest_common_substring_and_alpha():
 @pytest.fixture(scope="module")
 def evaluated(tmp_path_factory):
     """Untrained tiny GPT-2 and RETRO checkpoints over a real retrieval database (8-token chunks)."""
-    from retropipe.retrieval.build import build_retrieval
+    from retropipe.retrieval.build_database import build_retrieval
     from retropipe.training.models.io import save_model
     from retropipe.training.models.retro import Retro
     from tests.corpora import make_store, retrieval_cfg, topic_docs
@@ -221,13 +221,13 @@ def direct_neighbours(database_dir, store, split, found_ids, k):
     by an exact FAISS search over the database's stored vectors, and of `found_ids`; own (q,) whether a
     query's nearest chunk was one of its own document's, excluded. The queries are embedded here with
     the bundled MiniLM and rounded to float16, as the embedding stage stores them. A copy of the same
-    chunk (same document text, same place) counts once, as retrieval/neighbours.py keeps one."""
+    chunk (same document text, same place) counts once, as retrieval/neighbour_search.py keeps one."""
     import faiss
 
-    from retropipe.data.database import Database
+    from retropipe.data.database_reader import Database
     from retropipe.data.tokenizer import get_tokenizer
-    from retropipe.retrieval.database import open_vectors
-    from retropipe.retrieval.embed import chunk_texts, embed, load_embedder, resolve_model_path
+    from retropipe.retrieval.database_parts import open_vectors
+    from retropipe.retrieval.embed_job import chunk_texts, embed, load_embedder, resolve_model_path
 
     db, chunks, doc_hash = Database(database_dir), store.split(split), store.text_hashes(split)
     vectors = open_vectors(db).rows(np.arange(len(db))).astype(np.float32)         # (N, d)

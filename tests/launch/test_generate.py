@@ -13,7 +13,7 @@ from retropipe.data.chunking import split_of
 from retropipe.data.config import DataConfig
 from retropipe.data.prepare import prepare
 from retropipe.data.store import ChunkStore
-from retropipe.retrieval.build import build_retrieval
+from retropipe.retrieval.build_database import build_retrieval
 from retropipe.retrieval.config import RetrievalConfig
 from retropipe.training.models.io import save_model
 from tests.training.test_sampling import K, M, model_of, tiny

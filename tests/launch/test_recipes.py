@@ -67,10 +67,10 @@ def metrics(run_dir) -> list[tuple[int, float, float]]:
 def first_loss(cfg, warm_from=None) -> float:
     """Step 1's loss, in-process: the mean over its micro-batches, each layer built under its own
     seed as the pipeline builds it, warm-started as train.init_from does, in the run's precision."""
-    from retropipe.data.neighbours import NeighbourStore
+    from retropipe.data.neighbour_store import NeighbourStore
     from retropipe.data.reading import Reading
     from retropipe.data.store import ChunkStore
-    from retropipe.training.models.build import build_model
+    from retropipe.training.models.registry import build_model
     from retropipe.training.models.gpt2 import loss_fn
     from retropipe.training.models.io import load_model
     from retropipe.training.run.batches import SequenceBatches, micro_batches

@@ -17,7 +17,7 @@ import pytest
 from retropipe.data.config import DEFAULT_CORPUS
 from retropipe.data.errors import RetrievalError
 from retropipe.retrieval.bert import plain_bert_layout
-from retropipe.retrieval.embed import cached_embedder, embed, load_embedder, token_lengths
+from retropipe.retrieval.embed_job import cached_embedder, embed, load_embedder, token_lengths
 from retropipe.retrieval.embedder import embedding_backend, resolve_model_path
 from tests.corpora import ROOT
 
@@ -173,7 +173,7 @@ def test_embedding_with_the_bundled_model_imports_neither_library():
     """What the plain path saves: importing sentence-transformers and transformers, 5–6 s of one
     core in every process that embeds (docs/benchmarks.md)."""
     code = ("import sys\n"
-            "from retropipe.retrieval.embed import embed, load_embedder, resolve_model_path\n"
+            "from retropipe.retrieval.embed_job import embed, load_embedder, resolve_model_path\n"
             "print(embed(load_embedder(resolve_model_path('')), ['a text']).shape)\n"
             "print(sorted(m for m in ('transformers', 'sentence_transformers') if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

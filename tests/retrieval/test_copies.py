@@ -11,7 +11,7 @@ from retropipe.data.chunking import SPLITS
 from retropipe.data.store import ChunkStore
 from retropipe.retrieval import copies as copies_module
 from retropipe.retrieval.copies import ShardAssembly, find_copies
-from retropipe.retrieval.embed import Embeddings, embed, embed_store, plan_jobs, serial_embed_runner
+from retropipe.retrieval.embed_job import Embeddings, embed, embed_store, plan_jobs, serial_embed_runner
 from tests.corpora import make_store, topic_docs
 
 
@@ -78,7 +78,7 @@ def test_copies_are_not_embedded_and_take_their_sources_vectors(tmp_path):
         np.testing.assert_array_equal(rows[SPLITS[s]][i], rows[SPLITS[src_s]][src_i])
     # A copy's vector is its own text's: the same text embedded alone.
     from retropipe.data.tokenizer import get_tokenizer
-    from retropipe.retrieval.embed import cached_embedder, chunk_texts, resolve_model_path
+    from retropipe.retrieval.embed_job import cached_embedder, chunk_texts, resolve_model_path
     (_, s, i) = next(iter(copies_as_dict(found)))
     chunks = store.split(SPLITS[s])
     text = chunk_texts(chunks.tokens([i]), chunks.lengths[[i]], get_tokenizer(store.manifest["tokenizer"]),

@@ -15,8 +15,8 @@ import pytest
 
 from retropipe.data.errors import RetrievalError
 from retropipe.data.store import ChunkStore
-from retropipe.retrieval.build import build_retrieval
-from retropipe.retrieval.embed import cached_embedder, embed
+from retropipe.retrieval.build_database import build_retrieval
+from retropipe.retrieval.embed_job import cached_embedder, embed
 from retropipe.retrieval.embedder import local_model_path, model_identity, resolve_model_path
 from tests.corpora import ROOT, SEQ_CHUNKS, make_store, neighbours_of, retrieval_cfg, topic_docs
 
@@ -38,7 +38,7 @@ def test_embed_matches_sentence_transformers_encode():
 def test_embed_pads_sub_batches_sorted_by_the_embedders_tokens_not_characters():
     """A text's characters say little about its WordPiece count; sub-batches of texts sorted by
     tokens are padded less, and the vectors come back in the input order."""
-    from retropipe.retrieval.embed import token_lengths
+    from retropipe.retrieval.embed_job import token_lengths
 
     model = cached_embedder(str(resolve_model_path("")))
     texts = ["word " * 20, "pneumonoultramicroscopicsilicovolcanoconiosis tachyphylaxis", "ok",
@@ -138,7 +138,7 @@ def refuse(host, *args, **kwargs):
     raise OSError("no network in this test")
 socket.getaddrinfo = refuse
 socket.create_connection = lambda address, *a, **k: refuse(address[0])
-from retropipe.retrieval.embed import embed, load_embedder, model_identity, resolve_model_path
+from retropipe.retrieval.embed_job import embed, load_embedder, model_identity, resolve_model_path
 bundled = str(resolve_model_path(""))
 for name in ("", bundled):  # the default, and a local directory
     path = resolve_model_path(name)
@@ -178,7 +178,7 @@ def test_embed_precision_auto_follows_the_hardware_and_queries_follow_their_data
 
 def test_bf16_by_name_on_a_cpu_that_emulates_it_embeds_in_bf16_with_a_warning(monkeypatch, capsys, kernels_unheld):
     import retropipe.data.cpu as cpu
-    from retropipe.retrieval.embed import runner_precision, serial_embed_runner
+    from retropipe.retrieval.embed_job import runner_precision, serial_embed_runner
 
     monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
     assert runner_precision(serial_embed_runner, "bf16") == "bf16"
@@ -227,7 +227,7 @@ def test_the_width_is_read_from_the_model_files_as_the_loaded_model_reports_it(t
         from sentence_transformers import models
         two_modes = {"pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": True}
 
-    from retropipe.retrieval.embed import embedding_dim
+    from retropipe.retrieval.embed_job import embedding_dim
     from retropipe.retrieval.embedder import embedding_dim_from_files
 
     bundled = resolve_model_path("")
@@ -262,7 +262,7 @@ def test_the_width_is_read_from_the_model_files_as_the_loaded_model_reports_it(t
 
 
 def test_a_database_build_checks_its_index_without_loading_the_model(tmp_path):
-    code = ("import sys; from pathlib import Path; from retropipe.retrieval.build import _expected_dim; "
+    code = ("import sys; from pathlib import Path; from retropipe.retrieval.build_database import _expected_dim; "
             "from retropipe.retrieval.config import RetrievalConfig; "
             "print(_expected_dim(RetrievalConfig(), Path(sys.argv[1])), 'sentence_transformers' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "embeddings")], cwd=ROOT,
@@ -273,7 +273,7 @@ def test_a_database_build_checks_its_index_without_loading_the_model(tmp_path):
 def test_sub_batches_by_count_on_a_cpu_and_by_padded_tokens_on_a_gpu():
     """A CPU's forwards take SUB_BATCH texts; a GPU's as many as fit GPU_SUB_BATCH_TOKENS padded
     tokens, so a job's longest texts go in small groups of their own instead of padding a big one."""
-    from retropipe.retrieval.embed import GPU_SUB_BATCH_TOKENS, SUB_BATCH, sub_batches
+    from retropipe.retrieval.embed_job import GPU_SUB_BATCH_TOKENS, SUB_BATCH, sub_batches
 
     rng = np.random.default_rng(0)
     lengths = np.concatenate([rng.integers(20, 60, 1000), [250, 240, 120]])     # a few long texts

@@ -17,12 +17,12 @@ from retropipe.data.errors import RetrievalError
 from retropipe.data.stage import fingerprint, read_json, save_npy, write_json
 from retropipe.data.store import ChunkStore
 from retropipe.data.chunking import SPLITS
-from retropipe.retrieval.build import build_retrieval
+from retropipe.retrieval.build_database import build_retrieval
 from retropipe.retrieval.copies import find_copies
-from retropipe.retrieval.database import DatabaseVectors
-from retropipe.retrieval.embed import Embeddings, serial_embed_runner
+from retropipe.retrieval.database_parts import DatabaseVectors
+from retropipe.retrieval.embed_job import Embeddings, serial_embed_runner
 from retropipe.retrieval.index import build_index, exact_search, load_index, make_index, sample_rows
-from retropipe.retrieval.neighbours import excluded_hashes, select_neighbours
+from retropipe.retrieval.neighbour_search import excluded_hashes, select_neighbours
 from tests.corpora import CHUNK_LEN, ROOT, SEQ_CHUNKS, TOPICS, make_store, neighbours_of, retrieval_cfg
 
 # --- neighbour selection -----------------------------------------------------------------
@@ -243,7 +243,7 @@ def test_untrainable_index_names_the_key(tmp_path):
 
 
 def test_an_index_the_database_cannot_train_is_refused_before_embedding(built):
-    from retropipe.retrieval.build import check_inputs
+    from retropipe.retrieval.build_database import check_inputs
 
     _, store, _ = built
     with pytest.raises(RetrievalError, match="retrieval.index.*IVF1024,Flat.*needs at least 1024"):
@@ -254,7 +254,7 @@ def test_an_index_the_database_cannot_train_is_refused_before_embedding(built):
 # --- a database beyond the training split -----------------------------------------------------
 
 def test_further_corpora_join_the_database_and_copies_of_evaluated_documents_stay_out(tmp_path, built):
-    from retropipe.data.database import Database
+    from retropipe.data.database_reader import Database
 
     ref_root, _, ref = built
     shutil.copytree(ref_root / "data", tmp_path / "data")

@@ -26,10 +26,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from retropipe.data.neighbours import NeighbourStore
+from retropipe.data.neighbour_store import NeighbourStore
 from retropipe.data.store import ChunkStore
 from retropipe.launch.config import load_config
-from retropipe.retrieval.build import build_retrieval
+from retropipe.retrieval.build_database import build_retrieval
 from tests.corpora import CHUNK_LEN, PY, ROOT, SEQ_CHUNKS, neighbours_of
 from tests.distributed import free_port
 
@@ -107,7 +107,7 @@ import json, os, signal, sys
 from pathlib import Path
 from retropipe.data.store import ChunkStore
 from retropipe.launch.ray_utils import RayExecutor
-from retropipe.retrieval.embed import embed_stores, runner_precision
+from retropipe.retrieval.embed_job import embed_stores, runner_precision
 from retropipe.retrieval.ray_embed import EmbedChunks, RayEmbedRunner
 
 address, data_dir, out, marker = sys.argv[1:5]

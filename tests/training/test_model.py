@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from retropipe.data.errors import ModelFormatError
-from retropipe.training.models.build import build_model, layer_list
+from retropipe.training.models.registry import build_model, layer_list
 from retropipe.training.models.config import MODEL_PRESETS, ModelConfig
 from retropipe.training.models.gpt2 import GPT2, loss_fn
 from retropipe.training.models.io import load_model, save_model
@@ -107,7 +107,7 @@ def test_save_and_load_model_round_trip(tmp_path):
 
 def test_fused_head_gives_the_plain_loss_and_gradients():
     """training/models/lm_head.py: the head + cross-entropy over slices of tokens equals logits-then-loss."""
-    from retropipe.training.models.build import build_model
+    from retropipe.training.models.registry import build_model
     from retropipe.training.models.gpt2 import FusedLoss
     from retropipe.training.models.lm_head import lm_loss, token_nll
 

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch.nn as nn
 
-from retropipe.training.models.build import layer_list
+from retropipe.training.models.registry import layer_list
 from retropipe.training.models.config import ModelConfig
 from retropipe.training.models.layers import LayerDesc
 from retropipe.training.pipeline.partition import min_max_partition, partition, partition_uniform, stage_trains

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from retropipe.training.models.build import build_model, layer_list
+from retropipe.training.models.registry import build_model, layer_list
 from retropipe.training.models.config import ModelConfig
 from retropipe.training.models.gpt2 import GPT2, loss_fn
 from retropipe.training.models.io import load_model, retrofit, save_model

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from retropipe.training.evaluation.sampling import context_window, generate, generate_samples, sample_next
-from retropipe.training.models.build import build_model
+from retropipe.training.models.registry import build_model
 from retropipe.training.models.config import ModelConfig
 
 M, K = 8, 2  # chunk_len, neighbours per chunk

@@ -172,7 +172,7 @@ def test_runs_and_models_from_before_the_copy_gate_are_read_as_without_it(tmp_pa
     """model.copy_gate defaults to on, but a run's config.yaml or a model's config.json written
     before the key existed had no gate: each is read as copy_gate false, so such a run is not
     resumed by a config with the gate, and such a model loads (training/models/config.py BEFORE_THE_FIELD)."""
-    from retropipe.training.models.build import build_model
+    from retropipe.training.models.registry import build_model
     from retropipe.training.models.io import load_model, save_model
 
     retro = cfg(tmp_path, config="tiny-retro.yaml")

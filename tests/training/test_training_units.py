@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from retropipe.training.models.build import build_model, layer_list
+from retropipe.training.models.registry import build_model, layer_list
 from retropipe.training.models.config import ModelConfig
 from retropipe.training.models.flops import flops_per_token, mfu, step_flops_per_token
 from retropipe.training.models.layers import seeded

@@ -52,7 +52,7 @@ def overlap_ratios(chunks: np.ndarray, lengths: np.ndarray, neighbours: np.ndarr
 def predicting_neighbours(neighbours, split: str, chunk_ids: np.ndarray, k: int) -> np.ndarray:
     """(c, k, r) the neighbours chunk u is predicted with: those of chunk u − 1 (none for chunk 0).
 
-    neighbours: anything with neighbour_tokens(split, ids, k) -> (..., k, r) (data.neighbours.NeighbourStore).
+    neighbours: anything with neighbour_tokens(split, ids, k) -> (..., k, r) (data.neighbour_store.NeighbourStore).
     """
     tokens = neighbours.neighbour_tokens(split, np.maximum(chunk_ids - 1, 0), k=k)
     tokens[chunk_ids == 0] = -1

@@ -56,7 +56,7 @@ def score_split(model, chunks, byte_lengths: np.ndarray, window: int, stride: in
     """Sliding-window scores of every chunk of a split (`chunks`: data.store.SplitChunks).
 
     `neighbours`: for RETRO, anything with neighbour_tokens(split, ids (b, l), k) -> (b, l, k, r)
-    int64, -1 = missing (a data.neighbours.NeighbourStore); None = the baseline, or RETRO[OFF]
+    int64, -1 = missing (a data.neighbour_store.NeighbourStore); None = the baseline, or RETRO[OFF]
     when the model is RETRO. `k` neighbours per chunk (0 = all stored). Inputs go to `device`
     (None = the model's); each batch's per-token NLL comes back to the CPU once, for numpy.
     """

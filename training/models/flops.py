@@ -18,7 +18,7 @@ def flops_per_token(model_cfg, seq_len: int) -> float:
     forward and backward. RETRO's CCA and encoder enter through N only (their attention over
     neighbours is not counted), so a RETRO MFU slightly understates the work done.
     """
-    from retropipe.training.models.build import build_model
+    from retropipe.training.models.registry import build_model
 
     with torch.device("meta"):  # shapes only: no memory, no random numbers drawn
         model = build_model(model_cfg)

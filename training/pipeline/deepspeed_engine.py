@@ -39,7 +39,7 @@ import torch.distributed as dist  # noqa: E402
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec  # noqa: E402
 
 from retropipe.data.errors import TrainingError  # noqa: E402
-from retropipe.training.models.build import layer_list  # noqa: E402
+from retropipe.training.models.registry import layer_list  # noqa: E402
 from retropipe.training.models.config import ModelConfig  # noqa: E402
 from retropipe.training.models.gpt2 import FusedLoss, loss_fn  # noqa: E402
 from retropipe.training.models.io import load_pretrained  # noqa: E402

@@ -37,7 +37,7 @@ class SequenceBatches:
             raise ValueError(f"seq_len {seq_len} is not a multiple of chunk_len {self.chunk_len}")
         self.chunks_per_seq = seq_len // self.chunk_len
         self.seq_len = seq_len
-        self.neighbours, self.k = neighbours, k  # a data.neighbours.NeighbourStore, or None
+        self.neighbours, self.k = neighbours, k  # a data.neighbour_store.NeighbourStore, or None
         self.lessons, self.seed = lessons, seed
 
     def __len__(self) -> int:

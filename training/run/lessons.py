@@ -64,7 +64,7 @@ def other_chunks(chunk_ids: np.ndarray, n: int, seed: int) -> np.ndarray:
 
 def apply_lessons(nbrs: np.ndarray, chunk_ids: np.ndarray, lessons: Lessons, seed: int, neighbours) -> np.ndarray:
     """nbrs (b, l, k, r) of training chunks chunk_ids (b, l) with their first neighbour replaced by
-    each chunk's lesson. neighbours: the data.neighbours.NeighbourStore they came from."""
+    each chunk's lesson. neighbours: the data.neighbour_store.NeighbourStore they came from."""
     copy, diverging, distractor = lessons.kinds(chunk_ids, seed)
     if copy.any():
         nbrs[copy, 0] = neighbours.own_tokens(chunk_ids[copy])

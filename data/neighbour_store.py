@@ -10,7 +10,7 @@ One representation from disk to the model: token ids with -1 where a token is mi
 neighbour, no continuation at a document's end, padding inside a chunk), exactly what
 `Retro.forward` takes. r = 2 · chunk_len: the neighbour chunk followed by its continuation,
 as the store's `Reading` gives them (data/reading.py: lined up with the chunk, filtered, shuffled).
-Neighbour ids are database ids (data/database.py): part 0 is the training split, so without
+Neighbour ids are database ids (data/database_reader.py): part 0 is the training split, so without
 further corpora they are training-split chunk ids.
 
 A neighbours directory holds `<split>.npy` ((chunks of the split, k) int64) and manifest.json,
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from retropipe.data.database import DATABASE_FILE, Database, resolve_part_path
+from retropipe.data.database_reader import DATABASE_FILE, Database, resolve_part_path
 from retropipe.data.errors import BUILD_DATABASE, DataError
 from retropipe.data.reading import Reading, shuffled_order
 from retropipe.data.stage import read_json

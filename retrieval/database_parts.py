@@ -8,7 +8,7 @@ Part 0 is the training split of the training chunk store (`<workdir>/data`); eve
 `retrieval.corpora` becomes a further part, prepared into `<retrieval_dir>/corpora/<name>/data`
 by the data stage's own code (same tokenizer and chunk_len as the training data, every document
 in split "train") and embedded once into `<retrieval_dir>/corpora/<name>/embeddings`. A chunk's
-database id is its part's offset plus its chunk id within the part (data/database.py reads it).
+database id is its part's offset plus its chunk id within the part (data/database_reader.py reads it).
 Adding a corpus adds a part: the parts already embedded are reused, only the index is rebuilt.
 """
 
@@ -23,12 +23,12 @@ from typing import Iterator
 import numpy as np
 
 from retropipe.data.config import DataConfig
-from retropipe.data.database import DATABASE_FILE
+from retropipe.data.database_reader import DATABASE_FILE
 from retropipe.data.errors import DataError, RetrievalError, TokenizerError
 from retropipe.data.prepare import prepare
 from retropipe.data.stage import Executor, fingerprint, path_tag, serial_executor, write_json
 from retropipe.data.store import ChunkStore
-from retropipe.retrieval.embed import Embeddings
+from retropipe.retrieval.embed_job import Embeddings
 
 DATABASE_VERSION = 1
 
@@ -131,8 +131,8 @@ def write_database(root: Path, parts: list[PartSource], embedder: dict) -> dict:
 
 
 def open_vectors(database) -> DatabaseVectors:
-    """The embeddings of a built database (data.database.Database), from the paths database.json records."""
-    from retropipe.data.database import resolve_part_path
+    """The embeddings of a built database (data.database_reader.Database), from the paths database.json records."""
+    from retropipe.data.database_reader import resolve_part_path
     from retropipe.data.stage import read_json
 
     parts = []

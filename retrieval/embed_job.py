@@ -33,7 +33,7 @@ from retropipe.data.errors import BUILD_DATABASE, RetrievalError
 from retropipe.data.stage import fingerprint, load_npy, open_stage, save_npy, sha256_file, write_json
 from retropipe.data.store import ChunkStore
 from retropipe.retrieval.copies import ChunkCopies, ShardAssembly, find_copies
-# The model behind retrieval.embedder (re-exported: retrieval.embed is where callers find them).
+# The model behind retrieval.embedder (re-exported: retrieval.embed_job is where callers find them).
 from retropipe.retrieval.embedder import (DEFAULT_MODEL_NAME, cached_embedder, embedding_backend,  # noqa: F401
                                           embedding_dim, hub_name, load_embedder, model_identity,
                                           resolve_embed_precision, resolve_model_path)

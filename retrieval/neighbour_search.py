@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from retropipe.data.chunking import SPLITS
-from retropipe.data.database import Database
+from retropipe.data.database_reader import Database
 from retropipe.data.stage import fingerprint, load_npy, open_stage, save_npy, sha256_file, write_json
 from retropipe.data.store import ChunkStore
 from retropipe.retrieval.index import search
@@ -111,7 +111,7 @@ def query_neighbours(index, query_emb, store: ChunkStore, database: Database, ou
                      allowed: np.ndarray | None = None) -> dict:
     """Neighbours of every chunk of the splits of `store` (resumable per query shard); return the manifest.
 
-    query_emb: the store's retrieval.embed.Embeddings. chunks_per_seq applies the training-sequence
+    query_emb: the store's retrieval.embed_job.Embeddings. chunks_per_seq applies the training-sequence
     rule to the "train" split (None: own document only, e.g. a held-out corpus).
     """
     manifest = open_stage(out_dir, inputs)

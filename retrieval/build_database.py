@@ -15,16 +15,16 @@ from pathlib import Path
 
 from retropipe.data.chunking import SPLITS
 from retropipe.data.config import DataConfig
-from retropipe.data.database import Database
+from retropipe.data.database_reader import Database
 from retropipe.data.errors import RetrievalError
 from retropipe.data.stage import Executor, output_settings, serial_executor, write_json
 from retropipe.data.store import ChunkStore
 from retropipe.retrieval.config import RetrievalConfig
-from retropipe.retrieval.database import DatabaseVectors, prepare_corpora, write_database
-from retropipe.retrieval.embed import (Embeddings, EmbedRunner, embed_stores, model_identity, resolve_model_path,
+from retropipe.retrieval.database_parts import DatabaseVectors, prepare_corpora, write_database
+from retropipe.retrieval.embed_job import (Embeddings, EmbedRunner, embed_stores, model_identity, resolve_model_path,
                                        runner_precision, serial_embed_runner)
 from retropipe.retrieval.index import build_index, faiss_module, load_index, make_index, recall_check
-from retropipe.retrieval.neighbours import MANIFEST_VERSION, query_neighbours
+from retropipe.retrieval.neighbour_search import MANIFEST_VERSION, query_neighbours
 
 
 def check_inputs(cfg: RetrievalConfig, store: ChunkStore, dim: int | None = None, database_chunks: int | None = None) -> None:
@@ -53,7 +53,7 @@ def _expected_dim(cfg: RetrievalConfig, emb_dir: Path) -> int:
     embedding actors do); loaded and asked otherwise. The width the embeddings come out with is
     checked again before the index is built (`build_retrieval`)."""
     from retropipe.data.stage import read_json
-    from retropipe.retrieval.embed import cached_embedder, embedding_dim
+    from retropipe.retrieval.embed_job import cached_embedder, embedding_dim
     from retropipe.retrieval.embedder import embedding_dim_from_files
 
     manifest = read_json(emb_dir / "manifest.json")

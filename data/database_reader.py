@@ -11,7 +11,7 @@ A neighbour is r = 2 · chunk_len tokens: the chunk, then its continuation (the 
 same document), -1 where missing (no neighbour, the document ended, or padding).
 
 Plain numpy: training reads neighbours through this module and never imports `retrieval`,
-which writes database.json (retrieval/database.py).
+which writes database.json (retrieval/database_parts.py).
 """
 
 from __future__ import annotations
