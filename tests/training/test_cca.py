@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from retropipe.training.models.cca import Positions
+from retropipe.training.models.rotary_attention import Positions
 from retropipe.training.models.config import ModelConfig
 
 M = 4  # chunk_len
@@ -77,7 +77,7 @@ def test_attention_in_bf16_training_on_cpu_is_sdpas_function(mask_kind):
 def test_rotary_rotates_each_heads_halves_and_is_relative():
     """rotary on (B, t, heads·c) equals RoFormer's rotate-half per head, written out, in value and
     gradient (to the fp32 angles' rounding); and a rotated q·k depends on the positions only through their difference."""
-    from retropipe.training.models.cca import rotary
+    from retropipe.training.models.rotary_attention import rotary
 
     torch.manual_seed(0)
     heads, c, t = 3, 8, 6
@@ -107,7 +107,7 @@ def test_attention_keeps_its_rotary_tables_and_they_train_after_inference():
     """The tables an Attention keeps per positions are the ones rotary builds each call; kept while
     generating (inference mode), they still serve a training step (saved for backward); a module
     keeps a bounded number of them, and lets them go when it moves to another dtype or device."""
-    from retropipe.training.models.cca import CONSTANTS_KEPT, Attention, rotary
+    from retropipe.training.models.rotary_attention import CONSTANTS_KEPT, Attention, rotary
 
     torch.manual_seed(0)
     attn = Attention(16, 24, 16, 2, 0.0, 10.0)

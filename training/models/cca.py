@@ -1,13 +1,12 @@
-"""Attention with rotary relative positions, and RETRO's chunked cross-attention (CCA).
+"""RETRO's chunked cross-attention (CCA) and its copy gate.
 
-One `Attention` module serves the encoder's self-attention, the encoder's cross-attention to
-the decoder, and the CCA; the CCA is a thin wrapper that does the causal shift (a pad) and the
-chunk reshapes around it. Missing neighbour tokens (id -1) are masked out of the keys.
+The CCA is `Attention` (training/models/rotary_attention.py) with the causal shift (a pad) and the
+chunk reshapes around it, and a term added to its logits: a learned bias per relative position
+and, with the copy gate, a bonus on neighbour tokens that continue the text just read and a null
+slot to attend to instead. Missing neighbour tokens (id -1) are masked out of the keys.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -15,163 +14,13 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from retropipe.training.models.config import ModelConfig
-from retropipe.training.models.gpt2 import attention
 from retropipe.training.models.lm_head import autocast_dtype
+from retropipe.training.models.rotary_attention import Attention, KeepsConstants, Positions, kept_constant, key_mask
 
-
-def rotary_tables(pos: torch.Tensor, width: int, heads: int, base: float, dtype: torch.dtype):
-    """cos and signed sin (t, heads·c), c = width / heads, for rotating each head's feature pairs
-    (x_i, x_{i+c/2}) by pos (t,) · base^(-2i/c): cos over both halves, sin negated over the first."""
-    c = width // heads
-    inv_freq = base ** (-torch.arange(0, c, 2, device=pos.device, dtype=torch.float32) / c)
-    angles = pos.to(torch.float32)[:, None] * inv_freq[None]  # (t, c/2), fp32 even under autocast
-    cos, sin = angles.cos(), angles.sin()
-    return (torch.cat([cos, cos], -1).repeat(1, heads).to(dtype),
-            torch.cat([-sin, sin], -1).repeat(1, heads).to(dtype))
-
-
-def swap_halves(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """x (..., heads·c) with each head's two halves swapped: (x_2, x_1) for (x_1, x_2)."""
-    halves = x.unflatten(-1, (heads, 2, -1))                                      # (..., h, 2, c/2)
-    return torch.cat([halves[..., 1:, :], halves[..., :1, :]], -2).flatten(-3)
-
-
-class _Rotary(torch.autograd.Function):
-    """x·cos + swap_halves(x)·sin forward, grad·cos + swap_halves(grad·sin) backward (the swap is
-    its own inverse), over whole rows of (B, t, heads·c) with (t, heads·c) tables.
-
-    Written with autograd over each head's halves, the rotation ran a dozen kernels each way, most
-    over rows of c/2 strided elements: at an encoder's 32-wide heads, 15% of a tiny RETRO block.
-    This takes 60% of that time (docs/benchmarks.md)."""
-
-    @staticmethod
-    def forward(ctx, x, cos, sin, heads: int):
-        ctx.save_for_backward(cos, sin)
-        ctx.heads = heads
-        return torch.addcmul(x * cos, swap_halves(x, heads), sin)
-
-    @staticmethod
-    def backward(ctx, grad):
-        cos, sin = ctx.saved_tensors
-        grad = grad.contiguous()  # it arrives in the heads' layout (B, h, t, c): strided rows here
-        return torch.addcmul(swap_halves(grad * sin, ctx.heads), grad, cos), None, None, None
-
-
-def rotary(x: torch.Tensor, pos: torch.Tensor, base: float, heads: int = 1) -> torch.Tensor:
-    """Rotate each head's feature pairs (x_i, x_{i+c/2}) of x (..., t, heads·c) by pos (t,) ·
-    base^(-2i/c) (RoFormer, rotate-half).
-
-    q·k then depends on the positions only through their difference: a relative encoding.
-    `Attention` does the same with its tables kept (`Attention.tables`); this builds them each call.
-    """
-    cos, sin = rotary_tables(pos, x.shape[-1], heads, base, x.dtype)
-    return _Rotary.apply(x, cos, sin, heads)
-
-
-@dataclass(frozen=True)
-class Positions:
-    """The positions start … stop - 1, that run `times` times over: every set of positions RETRO's
-    attentions use (a neighbour's r tokens, a chunk's m, k neighbours side by side). Hashable, so
-    that what is built from them (rotary tables, the CCA's bias offsets) is built once."""
-    start: int
-    stop: int
-    times: int = 1
-
-    def __len__(self) -> int:
-        return (self.stop - self.start) * self.times
-
-    def shifted(self, by: int) -> "Positions":
-        return Positions(self.start + by, self.stop + by, self.times)
-
-    def tensor(self, device) -> torch.Tensor:
-        """(len(self),) int64."""
-        return torch.arange(self.start, self.stop, device=device).repeat(self.times)
-
-
-# Constants a module keeps per (positions, dtype, device); past this many it starts afresh (decoding
-# one token at a time meets at most chunk_len query positions per attention).
-CONSTANTS_KEPT = 256
-
-
-def kept_constant(cache: dict, key, build):
-    """build() once per key into cache: a tensor that depends on nothing learned (rotary tables,
-    index offsets). At RETRO's shapes each took a dozen small kernels per call, and on a GPU the
-    step waits on the host's launches (docs/benchmarks.md). Built outside inference mode, so that a
-    table first built while generating can be saved for backward in training; traced afresh under
-    torch.compile, which folds them into its kernels."""
-    if torch.compiler.is_compiling():
-        return build()
-    value = cache.get(key)
-    if value is None:
-        if len(cache) >= CONSTANTS_KEPT:
-            cache.clear()
-        with torch.inference_mode(False), torch.no_grad():
-            value = cache[key] = build()
-    return value
-
-
-class KeepsConstants(nn.Module):
-    """A module with kept_constant's cache, `constants`: emptied when the module moves or changes
-    dtype (`.to`, `.cuda`, `.bfloat16`), so that no table of its old device or dtype stays alive."""
-
-    def __init__(self):
-        super().__init__()
-        self.constants: dict = {}
-
-    def _apply(self, *args, **kwargs):
-        self.constants.clear()
-        return super()._apply(*args, **kwargs)
-
-
-def key_mask(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """From valid keys (..., t) bool: the keys to attend to and whether any key is valid (..., 1).
-
-    A row with no valid key would softmax over nothing (NaN, and NaN gradients even if the output
-    is zeroed later), so such rows attend to all keys instead and the caller multiplies their
-    output by `any_valid` = 0: an exact zero contribution.
-    """
-    any_valid = valid.any(dim=-1, keepdim=True)
-    return valid | ~any_valid, any_valid
-
-
-def with_null_slot(k: torch.Tensor, v: torch.Tensor, key: torch.Tensor):
-    """k, v (B, h, s, c) with a slot 0 of key `key` (h, c) and value zero prepended."""
-    B, heads, _, c = k.shape
-    k = torch.cat([key.to(k.dtype)[None, :, None].expand(B, heads, 1, c), k], dim=2)
-    return k, torch.cat([v.new_zeros(B, heads, 1, c), v], dim=2)
-
-
-class Attention(KeepsConstants):
-    """Multi-head attention of queries x (B, t, d_q) over a context (B, s, d_kv) → (B, t, d_q);
-    its rotary tables, per (positions, dtype, device), in `constants`."""
-
-    def __init__(self, d_q: int, d_kv: int, width: int, n_head: int, dropout: float, rotary_base: float):
-        super().__init__()
-        self.n_head, self.dropout, self.rotary_base = n_head, dropout, rotary_base
-        self.q = nn.Linear(d_q, width)
-        self.kv = nn.Linear(d_kv, 2 * width)
-        self.proj = nn.Linear(width, d_q)
-        self.resid_drop = nn.Dropout(dropout)
-
-    def forward(self, x, context, q_pos: Positions, k_pos: Positions, mask=None, null_key=None):
-        # q_pos, k_pos: the positions of the queries (t) and of the context's keys (s). mask: bool
-        # (True = attend) or float (added to the attention logits: a relative-position
-        # term, -inf where not attended), broadcastable to (B, heads, t, s). null_key (heads, c): a
-        # slot before the context whose value is zero, so attending to it adds nothing (the copy
-        # gate's way to decline); the mask is then float and holds the slot's logits as column 0,
-        # (B, heads, t, 1 + s) (ChunkedCrossAttention.logit_bias).
-        k, v = self.kv(context).chunk(2, dim=-1)
-        q, k = (_Rotary.apply(z, *self.tables(pos, z), self.n_head) for z, pos in ((self.q(x), q_pos), (k, k_pos)))
-        q, k, v = (rearrange(z, "B t (h c) -> B h t c", h=self.n_head) for z in (q, k, v))
-        if null_key is not None:
-            k, v = with_null_slot(k, v, null_key)
-        y = attention(q, k, v, mask, self.dropout if self.training else 0.0)
-        return self.resid_drop(self.proj(rearrange(y, "B h t c -> B t (h c)")))
-
-    def tables(self, pos: Positions, like: torch.Tensor):
-        """rotary_tables of pos for x like `like` (..., t, heads·c), built once → cos, sin (t, heads·c)."""
-        return kept_constant(self.constants, (pos, like.dtype, like.device), lambda: rotary_tables(
-            pos.tensor(like.device), like.shape[-1], self.n_head, self.rotary_base, like.dtype))
+# The copy gate's start (each head; learned): a neighbour token after one matching token gets +2
+# logits, after two +6, the null slot +2. With the position bias still zero, a query then attends
+# where a bigram matches, else to the null slot and the neighbours alike.
+MATCH_INIT, BIGRAM_INIT, NULL_INIT = 2.0, 4.0, 2.0
 
 
 class ChunkedCrossAttention(KeepsConstants):
@@ -193,12 +42,18 @@ class ChunkedCrossAttention(KeepsConstants):
     of the chunk's neighbours are attended to jointly; missing ones (id -1) are masked.
 
     Copy gate (model.copy_gate): a neighbour is worth copying from where it keeps matching the text
-    read so far, and only there. Each query gets a logit bonus (learned, per head) on every
-    neighbour token whose previous token is the query's current token, a second bonus where the
-    two previous tokens are the query's last two, and a null slot that adds nothing, so it can
-    decline: where a neighbour lines up and then diverges, or never belonged, no bigram matches and
-    the null slot wins. One common token (" the", a newline) matches anywhere; two in a row rarely
-    do by chance (docs/results.md, "Doing no harm").
+    read so far, and only there. Per head, the logit of query i on neighbour token j is
+
+        logit(i, j) = q_i·k_j / √c + s·P[j − (m-1+i)] + g·(M + B·[n_{j-2} = x_{i-1} ≥ 0])·[n_{j-1} = x_i ≥ 0]
+
+    where x_i is the token at query i's position and x_{i-1} the one before it (-1 = none); n_{j-1},
+    n_{j-2} are the tokens before j in the same neighbour (-1 before its start); P, M, B and N are
+    the head's learned position, match, bigram and null biases; s = position_bias_scale and g = s,
+    or 1 where s = 0. Keys of missing tokens get -inf, and a null slot, key k_∅ and value zero, gets
+    q_i·k_∅ / √c + g·N: attending to it adds nothing, so the CCA can decline. Where a neighbour lines up and then
+    diverges, or never belonged, no bigram matches and the null slot wins. One common token
+    (" the", a newline) matches anywhere; two in a row rarely do by chance (docs/results.md,
+    "Doing no harm").
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -206,13 +61,13 @@ class ChunkedCrossAttention(KeepsConstants):
         m = self.chunk_len = cfg.chunk_len
         self.ln = nn.LayerNorm(cfg.n_embd)
         self.attn = Attention(cfg.n_embd, cfg.encoder_embd, cfg.n_embd, cfg.n_head, cfg.dropout, cfg.rotary_base)
-        # One logit bias per head and offset j − q in [-(2m-2), m]: 3m - 1 offsets, applied as
-        # position_bias_scale × the parameter (ModelConfig: the bias must learn fast).
+        # One logit bias per head and offset j − (m-1+i) in [-(2m-2), m]: 3m - 1 offsets.
         self.position_bias = nn.Parameter(torch.zeros(cfg.n_head, 3 * m - 1))
         self.position_bias_scale = cfg.position_bias_scale
         # `constants` (KeepsConstants): the bias's offsets into position_bias, per (positions, device).
         self.copy_gate = cfg.copy_gate
         if cfg.copy_gate:  # constants, no random draw: every other weight starts as without the gate
+            # Read as scale × parameter (logit_bias), so stored as INIT / scale: they start at INIT.
             scale = cfg.position_bias_scale or 1.0
             self.gate_scale = scale
             self.match_bias = nn.Parameter(torch.full((cfg.n_head,), MATCH_INIT / scale))
@@ -269,10 +124,14 @@ class ChunkedCrossAttention(KeepsConstants):
         (s = k r): the position bias, -inf at keys not `valid` (B, s), and with the copy gate its
         bonuses and the null slot's logit as column 0 → (B, heads, t, [1 +] s) in dtype.
 
-        The gate's term is one batched product, term + bonus (heads, 2) · marks (2, t (1 + s)) per
-        chunk, over the channels (match, bigram) of each key, its additive term the null slot's
-        column and the position bias. Built from broadcasts, the same sum took a dozen passes over
-        (B, heads, t, s) each way (docs/benchmarks.md)."""
+        With the gate, the sum is one batched product per chunk, term + bonus (heads, 2) · marks
+        (2, t (1 + s)): marks are each key's channels (match, bigram), term the null slot's column
+        and the position bias. That is one pass over (B, heads, t, 1 + s) each way, where a sum of
+        broadcasts makes a dozen (docs/benchmarks.md).
+
+        Every bias is used as scale × its parameter: Adam moves a parameter by about lr a step
+        whatever its gradient, so the logit moves by about scale × lr, whole logits within tens of
+        steps where the trunk's rate would take thousands (ModelConfig.position_bias_scale)."""
         m, (B, s), t, device = self.chunk_len, valid.shape, len(q_pos), valid.device
         offsets = kept_constant(self.constants, (q_pos, k_pos, device), lambda: (          # (t, s), into position_bias
             k_pos.tensor(device)[None, :] - q_pos.tensor(device)[:, None] + 2 * m - 2))
@@ -337,23 +196,3 @@ class ChunkedCrossAttention(KeepsConstants):
             y = rearrange(y, "(b l) m d -> b (l m) d", b=b)[:, s0 - u0 * m:s1 - u0 * m + 1]
         out[:, first - start:] = y
         return out
-
-
-# The copy gate's start (each head; learned, as scale × parameter): a neighbour token after one
-# matching token gets +2 logits, after two +6, the null slot +2. With the position bias still
-# zero, a query then attends where a bigram matches, else to the null slot and the neighbours alike.
-MATCH_INIT, BIGRAM_INIT, NULL_INIT = 2.0, 4.0, 2.0
-
-
-def cca_flops(cfg: ModelConfig, n: int, k: int, first: bool) -> float:
-    """Forward FLOPs of one CCA over n tokens with k neighbours per chunk (queries, keys and values,
-    attention); the first CCA layer's also holds the encoder's (input projection, then per layer
-    self-attention, cross-attention to the chunk, MLP)."""
-    d, e, m = cfg.n_embd, cfg.encoder_embd, cfg.chunk_len
-    r = 2 * m
-    nb = (n // m) * k * r  # neighbour tokens per sequence
-    flops = 4 * n * d * d + 4 * nb * e * d + 4 * n * k * r * d
-    if first:
-        per_layer = 8 * nb * e * e + 4 * nb * r * e + 4 * nb * e * e + 4 * n * d * e + 4 * nb * m * e + 16 * nb * e * e
-        flops += 2 * nb * d * e + cfg.encoder_layers * per_layer
-    return flops

@@ -12,6 +12,14 @@ GPT-2 `Block` with a CCA between self-attention and MLP. The first one also owns
 encoder, which reads the decoder activations right after that block's self-attention (paper: the
 encoder is conditioned on the activations at the first CCA layer). Trunk parameter names equal
 GPT-2's, so a GPT-2 state dict loads into RETRO as is (RETRO-fit, training/models/io.py).
+
+The retrieval encoder (`RetrievalEncoder`) is a small bidirectional transformer over each
+neighbour's r tokens. Input: the neighbours embedded with the decoder's own token embedding
+(`embed_inputs`, a tied use of `wte`), projected from n_embd to the encoder's width. Every
+encoder layer is self-attention over the neighbour's tokens (bidirectional, rotary),
+cross-attention to the decoder activations H_u of the chunk the neighbour was retrieved for
+(paper: "conditioned on the activations of the retrieving chunk"), then an MLP. The encoding is
+computed once, at the first CCA layer, and reused by every later one.
 """
 
 from __future__ import annotations
@@ -20,13 +28,14 @@ import functools
 
 import torch
 import torch.nn as nn
+from einops import rearrange
 
 from retropipe.training.models.cache import DecodeCache, DecodeStep, LayerCache
-from retropipe.training.models.cca import ChunkedCrossAttention, cca_flops
+from retropipe.training.models.cca import ChunkedCrossAttention
 from retropipe.training.models.config import ModelConfig
-from retropipe.training.models.encoder import RetrievalEncoder
-from retropipe.training.models.gpt2 import GPT2, Block, TokenEmbedding, block_flops, init_weights, lookup
+from retropipe.training.models.gpt2 import GPT2, MLP, Block, TokenEmbedding, block_flops, init_weights, lookup
 from retropipe.training.models.layers import LayerDesc
+from retropipe.training.models.rotary_attention import Attention, Positions, key_mask
 
 # Neighbours per chunk assumed by the cost estimates of the layer list.
 COST_NEIGHBOURS = 2
@@ -73,6 +82,60 @@ def embed_inputs(wte: TokenEmbedding, x, chunk_len: int):
     both = lookup(wte.weight, ids)                                         # (b·n + b·l·k·r, d)
     h, embedded = both.split([tokens.numel(), neighbours.numel()])
     return h.view(*tokens.shape, -1), neighbours, embedded.view(*neighbours.shape, -1), tokens
+
+
+class EncoderLayer(nn.Module):
+    """One layer of the retrieval encoder: self-attention over a neighbour, cross-attention to its
+    retrieving chunk, MLP."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        e = cfg.encoder_embd
+        self.ln_1 = nn.LayerNorm(e)
+        self.attn = Attention(e, e, e, cfg.encoder_head, cfg.dropout, cfg.rotary_base)
+        self.ln_2 = nn.LayerNorm(e)
+        self.cross = Attention(e, cfg.n_embd, e, cfg.encoder_head, cfg.dropout, cfg.rotary_base)
+        self.ln_3 = nn.LayerNorm(e)
+        self.mlp = MLP(e, cfg.dropout)
+
+    def forward(self, x, mask, context):
+        # x (B·k, r, e) with B = b·l; mask (B·k, 1, 1, r); context (B, m, d) the retrieving chunk.
+        k, r, m = x.shape[0] // context.shape[0], x.shape[1], context.shape[1]
+        pos_r, pos_m = Positions(0, r), Positions(0, m)
+        y = self.ln_1(x)
+        x = x + self.attn(y, y, pos_r, pos_r, mask)
+        # Cross-attention rows are independent, so the k neighbours of a chunk query its context
+        # together: keys and values are projected once per chunk, not once per neighbour.
+        # Neighbour token j and chunk token i share an origin: the neighbour is aligned with its chunk.
+        y = rearrange(self.ln_2(x), "(B k) r e -> B (k r) e", k=k)
+        x = x + rearrange(self.cross(y, context, Positions(0, r, k), pos_m), "B (k r) e -> (B k) r e", k=k)
+        return x + self.mlp(self.ln_3(x))
+
+
+class RetrievalEncoder(nn.Module):
+    """Each chunk's neighbours, embedded, → their encoding (see the module docstring)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.chunk_len = cfg.chunk_len
+        self.proj_in = nn.Linear(cfg.n_embd, cfg.encoder_embd)
+        # H is the raw residual stream of the decoder; normalise it once for every layer's keys.
+        self.ln_context = nn.LayerNorm(cfg.n_embd)
+        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.encoder_layers))
+        self.ln_f = nn.LayerNorm(cfg.encoder_embd)
+        init_weights(self, cfg.n_layer)
+
+    def forward(self, embedded: torch.Tensor, neighbours: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        # embedded (b, l, k, r, d) float; neighbours (b, l, k, r) int64, -1 = missing; h (b, n, d).
+        b, l, k, r = neighbours.shape
+        x = rearrange(self.proj_in(embedded), "b l k r e -> (b l k) r e")
+        # A neighbour with no token at all attends to its (garbage) tokens: finite, and the CCA
+        # masks it out anyway.
+        mask, _ = key_mask(rearrange(neighbours >= 0, "b l k r -> (b l k) 1 1 r"))
+        context = rearrange(self.ln_context(h), "b (l m) d -> (b l) m d", m=self.chunk_len)
+        for layer in self.layers:
+            x = layer(x, mask, context)
+        return rearrange(self.ln_f(x), "(b l k) r e -> b l k r e", b=b, l=l)  # (b, l, k, r, e)
 
 
 # The identity-path map is drawn from its own generator: every stage of a pipeline, building only
@@ -215,6 +278,20 @@ def freeze_trunk(module: nn.Module) -> nn.Module:
     return module
 
 
+def retrieval_flops(cfg: ModelConfig, n: int, k: int, first: bool) -> float:
+    """Forward FLOPs of a RetroBlock's retrieval path over n tokens with k neighbours per chunk: its
+    CCA (queries, keys and values, attention); the first block's also holds the encoder's (input
+    projection, then per layer self-attention, cross-attention to the chunk, MLP)."""
+    d, e, m = cfg.n_embd, cfg.encoder_embd, cfg.chunk_len
+    r = 2 * m
+    nb = (n // m) * k * r  # neighbour tokens per sequence
+    flops = 4 * n * d * d + 4 * nb * e * d + 4 * n * k * r * d
+    if first:
+        per_layer = 8 * nb * e * e + 4 * nb * r * e + 4 * nb * e * e + 4 * n * d * e + 4 * nb * m * e + 16 * nb * e * e
+        flops += 2 * nb * d * e + cfg.encoder_layers * per_layer
+    return flops
+
+
 class Retro(GPT2):
     """GPT-2 plus chunked cross-attention over retrieved neighbours (see the module docstring)."""
 
@@ -239,7 +316,7 @@ class Retro(GPT2):
         if i not in cca:
             return super().block(cfg, i)
         first = i == cca[0]
-        cost = (block_flops(cfg, cfg.n_positions) + cca_flops(cfg, cfg.n_positions, COST_NEIGHBOURS, first)) * 1e-9
+        cost = (block_flops(cfg, cfg.n_positions) + retrieval_flops(cfg, cfg.n_positions, COST_NEIGHBOURS, first)) * 1e-9
         return LayerDesc(f"blocks.{i}", RetroBlock, dict(cfg=cfg, first=first, last=i == cca[-1]), cost=cost,
                          retrieval=True)
 
