@@ -23,12 +23,9 @@ a micro-batch, RETRO's too, whose hidden states and neighbours cross a cut as on
 """
 from __future__ import annotations
 
-import warnings
-
 import torch
 
-# What the replacement reads and writes on DeepSpeed's BF16_Optimizer (0.15 to 0.19).
-_NEEDS = ("bf16_groups", "fp32_groups_gradients", "fp32_groups_has_gradients", "update_hp_grads")
+from retropipe.training.pipeline import deepspeed_private as private
 
 
 def add_grads_in_one_call(engine) -> bool:
@@ -38,33 +35,18 @@ def add_grads_in_one_call(engine) -> bool:
     Returns False, leaving DeepSpeed's own accumulation, where there is no bf16 optimizer or
     `immediate_grad_update` is on (train.deepspeed may ask for it); and, with a warning, where the
     optimizer lacks what the replacement uses (another DeepSpeed) or does more per parameter than
-    add (CUDA graph harvesting, expert-parallel folding).
+    add (CUDA graph harvesting, expert-parallel folding). DeepSpeed's optimizer is reached through
+    deepspeed_private.py.
     """
-    optimizer = engine.optimizer
-    if getattr(optimizer, "immediate_grad_update", True):  # not BF16_Optimizer, or its hooks asked for
-        return False
-    missing = [name for name in _NEEDS if not hasattr(optimizer, name)]
-    extra = [name for name in ("graph_harvesting", "autoep_folding_tp_group") if getattr(optimizer, name, None)]
-    if missing or extra:
-        warnings.warn(f"bf16 gradients: DeepSpeed's own accumulation, one parameter at a time (its optimizer "
-                      f"{'lacks ' + ', '.join(missing) if missing else 'uses ' + ', '.join(extra)})", stacklevel=2)
+    optimizer = private.bf16_optimizer_adding_after_backward(engine)
+    if optimizer is None:
         return False
 
     @torch.no_grad()
     def update_hp_grads(clear_lp_grads: bool = False) -> None:
-        fp32, bf16 = [], []
-        for i, group in enumerate(optimizer.bf16_groups):
-            for j, param in enumerate(group):
-                if param.grad is None:  # frozen, or on no path from this stage's loss
-                    continue
-                hp_grad = optimizer.fp32_groups_gradients[i][j]
-                fp32.append(hp_grad)
-                bf16.append(param.grad.view(hp_grad.shape))
-                param._hp_grad = hp_grad  # what the pipe engine all-reduces for tied weights
-                optimizer.fp32_groups_has_gradients[i][j] = True
-                param.grad = None  # nothing reads it before the step; the next backward writes afresh
+        fp32, bf16 = private.take_bf16_grads(optimizer)
         if fp32:
             torch._foreach_add_(fp32, bf16)  # one add kernel a parameter, launched from C++
 
-    optimizer.update_hp_grads = update_hp_grads
+    private.replace_update_hp_grads(optimizer, update_hp_grads)
     return True

@@ -1,4 +1,4 @@
-"""The DeepSpeed adapter: the one module of training/ that imports `deepspeed`.
+"""The DeepSpeed adapter: with deepspeed_private.py, the only modules of training/ that import `deepspeed`.
 
 The models (training/models/), the partition search (training/pipeline/partition.py) and the
 training loop (training/run/trainer.py) are plain torch; launch/train.py builds a `Pipeline` here
@@ -16,6 +16,10 @@ and hands it to the loop, which trains through its methods (train_batch, eval_ba
 - Warm starts into a stage's layers; checkpoints; the full model gathered from the stages onto
   rank 0; the tied embedding's copies compared on the device; DeepSpeed's logs. (The JSON DeepSpeed is given is plain dicts, generated
   and checked in training/pipeline/deepspeed_config.py.)
+
+Only DeepSpeed's public API is used here; whatever reaches its internals (cutting the stages where
+we say, the index of a stage's first layer, the tied weights' broadcast, the bf16 optimizer's
+gradients) is a function of training/pipeline/deepspeed_private.py, which lists every such name.
 """
 
 from __future__ import annotations
@@ -38,14 +42,15 @@ import deepspeed  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec  # noqa: E402
 
-from retropipe.data.errors import TrainingError  # noqa: E402
 from retropipe.training.models.registry import layer_list  # noqa: E402
 from retropipe.training.models.config import ModelConfig  # noqa: E402
 from retropipe.training.models.gpt2 import FusedLoss, loss_fn  # noqa: E402
 from retropipe.training.models.io import load_pretrained  # noqa: E402
 from retropipe.training.models.layers import LayerDesc, seeded  # noqa: E402
 from retropipe.training.models.retro import freeze_trunk, is_retrieval_parameter  # noqa: E402
+from retropipe.training.run import TrainingError  # noqa: E402
 from retropipe.training.pipeline.bf16_grads import add_grads_in_one_call  # noqa: E402
+from retropipe.training.pipeline import deepspeed_private as private  # noqa: E402
 from retropipe.training.pipeline.deepspeed_config import deepspeed_config  # noqa: E402
 from retropipe.training.pipeline.param_groups import parameter_groups, restore_group_settings  # noqa: E402
 from retropipe.training.pipeline.partition import partition  # noqa: E402
@@ -53,9 +58,7 @@ from retropipe.training.pipeline.stage_boundary import at_boundary, class_at_bou
 from retropipe.training.run.cluster import set_collective_timeout  # noqa: E402
 from retropipe.training.run.config import TrainConfig  # noqa: E402
 
-# DeepSpeed JIT-compiles a shared-memory allreduce for CPU on first use (~90 s); gloo does the
-# same job without a C++ build, so never build it.
-deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+private.skip_shm_comm_build()  # gloo's allreduce on CPU, not a C++ build of DeepSpeed's (~90 s)
 
 
 class _SeededSpec:
@@ -96,17 +99,8 @@ def _first_use(cls: type, forward_fn) -> type:
     return type(cls.__name__, (cls,), {"forward": lambda self, x: forward_fn(_AsBase(self, cls), x)})
 
 
-class RetroPipeModule(PipelineModule):
-    """PipelineModule cut at explicit boundaries (DeepSpeed only offers named methods)."""
-
-    def __init__(self, layers, parts: list[int], **kwargs):
-        self._parts = parts
-        super().__init__(layers, **kwargs)
-
-    def _partition_layers(self, method="uniform"):
-        self.parts = list(self._parts)
-        stage = self._topo.get_coord(self.global_rank).pipe
-        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+class RetroPipeModule(private.StagesCutAt, PipelineModule):
+    """PipelineModule cut at explicit boundaries: RetroPipeModule(specs, parts=[0, 4, 6], ...)."""
 
 
 def _no_leaf_outputs(forward_fn):
@@ -209,17 +203,6 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def _frozen_tied_weights_have_no_gradient(module: RetroPipeModule) -> None:
-    """Every step the pipeline engine all-reduces each tied weight's gradient between the stages
-    that hold it; under bf16 it reads the fp32 gradient `_hp_grad` that DeepSpeed's bf16 optimizer
-    attaches to the parameters it trains. A frozen tied weight (the token embedding of a RETRO-fit)
-    is not trained, so it has none: it is given None, which the engine skips, as it skips a None
-    `.grad` in fp32."""
-    for weight, _ in module.get_tied_weights_and_groups():
-        if not weight.requires_grad and not hasattr(weight, "_hp_grad"):
-            weight._hp_grad = None
-
-
 def compile_blocks(module: RetroPipeModule, descs: list[LayerDesc]) -> list[str]:
     """torch.compile this stage's transformer blocks in place (train.compile); their names.
 
@@ -228,8 +211,7 @@ def compile_blocks(module: RetroPipeModule, descs: list[LayerDesc]) -> list[str]
     around which dynamo would break its graph for nothing to fuse. (launch/train.py refuses a CPU
     without the C++ compiler inductor needs before any of this.)"""
     names = []
-    for j, layer in enumerate(module.forward_funcs):
-        name = descs[module._local_start + j].name
+    for name, layer in private.stage_layers(module, descs):
         if isinstance(layer, torch.nn.Module) and name.startswith("blocks."):
             layer.compile()  # in place: the state dict keeps its names
             names.append(name)
@@ -255,13 +237,11 @@ class Pipeline:
         with _quiet_prints():
             self.engine, *_ = deepspeed.initialize(model=module, model_parameters=groups,
                                                    config=deepspeed_config(train))
-        _frozen_tied_weights_have_no_gradient(module)
+        private.no_gradient_for_frozen_tied_weights(module)
         add_grads_in_one_call(self.engine)
         self.compiled = compile_blocks(module, self.descs) if train.compile else []
         set_collective_timeout(train.resolved_dist_timeout("cuda" if torch.cuda.is_available() else "cpu"))
-        grid = self.engine.grid
-        self.dp_rank, self.dp_world = grid.get_data_parallel_rank(), grid.get_data_parallel_world_size()
-        self.stage = grid.get_pipe_parallel_rank()
+        self.dp_rank, self.dp_world, self.stage = private.parallel_ranks(self.engine)
         self.first, self.last = self.engine.is_first_stage(), self.engine.is_last_stage()
         self.device = torch.device(self.engine.device)  # where this stage computes (its GPU, or the CPU)
 
@@ -271,12 +251,12 @@ class Pipeline:
         With model.freeze_trunk (RETRO-fit, paper §4.2) only CCA and encoder train afterwards.
         """
         source = load_pretrained(source_dir).state_dict()
-        layers = [(self.descs[module._local_start + j].name, layer) for j, layer in enumerate(module.forward_funcs)
+        layers = [(name, layer) for name, layer in private.stage_layers(module, self.descs)
                   if isinstance(layer, torch.nn.Module)]
         # Tied modules too: a stage that holds only a later use of the embedding (the output head
-        # on the last stage) sees it as a function in forward_funcs, not as a module.
+        # on the last stage) sees it as a function among its stage layers, not as a module.
         tie_names = {d.tie_key: d.name for d in self.descs if d.tie_key}
-        layers += [(tie_names[key], tied) for key, tied in module.tied_modules.items()]
+        layers += [(tie_names[key], tied) for key, tied in private.tied_modules(module).items()]
         for name, layer in layers:
             own = {k[len(name) + 1:]: v for k, v in source.items() if k.startswith(name + ".")}
             missing, unexpected = layer.load_state_dict(own, strict=False)
@@ -285,7 +265,7 @@ class Pipeline:
                 raise TrainingError(f"train.init_from={source_dir}: layer {name} does not match "
                                     f"(missing {trunk_missing}, unexpected {unexpected})")
         # DeepSpeed broadcast the tied weights when it built the module, before this copy: do it again.
-        module._synchronize_tied_weights()
+        private.broadcast_tied_weights(module)
 
     # -- one optimizer step, one validation pass --
     def train_batch(self, batches) -> float:
@@ -322,8 +302,8 @@ class Pipeline:
         # The optimizer state brings the saved groups' settings: this config's decay, betas and
         # fused step win (DeepSpeed's ZeRO and bf16 optimizers wrap torch's as .optimizer).
         params = deepspeed_config(self.train).get("optimizer", {}).get("params", {})
-        inner = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
-        restore_group_settings(inner, self.train.weight_decay, (self.train.beta1, self.train.beta2),
+        restore_group_settings(private.torch_optimizer(self.engine), self.train.weight_decay,
+                               (self.train.beta1, self.train.beta2),
                                params.get("fused") if params.get("torch_adam") else None)
         if sched is not None:
             for key, value in ours.items():
@@ -335,16 +315,14 @@ class Pipeline:
     def tied_weights_drift(self) -> tuple[float, float]:
         """(largest |Δ| between the stages' copies of the tied embedding, largest |w|): the same on
         every rank, (0.0, 0.0) without a tie across stages. Reduced on the device within each tie's
-        group (DeepSpeed's tied_comms): no rank ever receives another's copy."""
-        module = self.engine.module
+        group (the stages holding a copy): no rank ever receives another's copy."""
         found = torch.zeros(2, device=self.engine.device)                     # [max |Δ|, max |w|]
-        for key, comm in getattr(module, "tied_comms", {}).items():
-            for attr in comm["weight_attr"]:
-                w = module._recursive_getattr(module.tied_modules[key], attr).detach().float()
-                hi, lo = w.clone(), w.clone()
-                dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=comm["group"])
-                dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=comm["group"])
-                found = torch.maximum(found, torch.stack([(hi - lo).max(), w.abs().max()]))
+        for weight, group in private.tied_weights(self.engine.module):
+            w = weight.detach().float()
+            hi, lo = w.clone(), w.clone()
+            dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+            dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+            found = torch.maximum(found, torch.stack([(hi - lo).max(), w.abs().max()]))
         dist.all_reduce(found, op=dist.ReduceOp.MAX)
         return float(found[0]), float(found[1])
 
@@ -357,12 +335,10 @@ class Pipeline:
         """
         from deepspeed.utils import safe_get_full_fp32_param
 
-        module = self.engine.module
         local = {}
-        for j, layer in enumerate(module.forward_funcs):
+        for name, layer in private.stage_layers(self.engine.module, self.descs):
             if not isinstance(layer, torch.nn.Module):
                 continue  # a tied layer's second use: its weights are saved with the first
-            name = self.descs[module._local_start + j].name
             for pname, p in layer.named_parameters():
                 # Every data-parallel rank takes part: under ZeRO-1 / the bf16 optimizer this
                 # all-reduces the master copy's shards across the data-parallel group.
@@ -375,9 +351,9 @@ class Pipeline:
         if self.dp_rank != 0:
             return None
         # The stages of replica 0 send their weights to global rank 0 (stage 0 of replica 0) alone.
-        grid = self.engine.grid
-        gathered = [None] * grid.get_pipe_parallel_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(local, gathered, dst=0, group=grid.get_pipe_parallel_group())
+        stages, group = private.pipe_group(self.engine)
+        gathered = [None] * stages if dist.get_rank() == 0 else None
+        dist.gather_object(local, gathered, dst=0, group=group)
         if dist.get_rank() != 0:
             return None
         merged = {}

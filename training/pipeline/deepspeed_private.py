@@ -1,0 +1,205 @@
+"""Every name of DeepSpeed's internals that RetroPipe reaches, in this one module.
+
+DeepSpeed's public API (deepspeed.initialize, deepspeed.pipe's PipelineModule / LayerSpec /
+TiedLayerSpec, the engine's train_batch, eval_batch, save_checkpoint, load_checkpoint,
+deepspeed.utils.safe_get_full_fp32_param) has no way to cut the stages at given boundaries, to
+say which layers a stage holds, to broadcast tied weights again after a warm start, to add the
+bf16 optimizer's gradients in one call, or to keep DeepSpeed from building a C++ op. For those,
+the functions below reach into DeepSpeed's attributes and methods. deepspeed_engine.py and
+bf16_grads.py call these functions; nothing else of RetroPipe touches a private name.
+
+A DeepSpeed release may rename any of them without notice, so each is listed in PRIVATE_NAMES
+(where it lives, what we use it for).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+_MODULE = "deepspeed.runtime.pipe.module.PipelineModule"
+_ENGINE = "deepspeed.runtime.pipe.engine.PipelineEngine"
+_GRID = "deepspeed.runtime.pipe.topology.PipelineParallelGrid"
+_BF16 = "deepspeed.runtime.bf16_optimizer.BF16_Optimizer"
+_ZERO = "deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer"
+
+
+@dataclass(frozen=True)
+class PrivateName:
+    """`name` on `owner` (a dotted path: a module, a class, or an attribute of either).
+
+    kind: "attr"  owner has it (a method, a module attribute);
+          "sets"  an instance attribute: the code of owner (or of a DeepSpeed base class) assigns self.<name>;
+          "reads" owner's code reads `.<name>` (an attribute of another object that we set or replace);
+          "key"   owner is a mapping holding the key.
+    """
+    owner: str
+    name: str
+    kind: str
+    why: str
+
+
+PRIVATE_NAMES = (
+    # -- cutting the pipeline at partition.py's boundaries (StagesCutAt) --
+    PrivateName(_MODULE, "_partition_layers", "attr", "PipelineModule.__init__ calls it to pick this rank's layers; "
+                "overridden to cut at partition.py's boundaries (DeepSpeed only offers named methods)"),
+    PrivateName(_MODULE, "_topo", "sets", "the process topology: which stage this rank is"),
+    PrivateName(_MODULE, "global_rank", "sets", "this rank, looked up in _topo"),
+    PrivateName(_MODULE, "parts", "sets", "the stage boundaries, which the rest of PipelineModule reads"),
+    PrivateName(_MODULE, "_set_bounds", "attr", "sets the slice of the layer list this rank builds"),
+    # -- this stage's layers, by their names in the layer list (stage_layers, tied_modules) --
+    PrivateName(_MODULE, "_local_start", "sets", "the index of this stage's first layer in the layer list"),
+    PrivateName(_MODULE, "forward_funcs", "sets", "this stage's layers in order: modules, or a tied layer's "
+                "later use as a function"),
+    PrivateName(_MODULE, "tied_modules", "sets", "the tied modules (the token embedding) by key"),
+    # -- tied weights (broadcast_tied_weights, tied_weights, no_gradient_for_frozen_tied_weights) --
+    PrivateName(_MODULE, "_synchronize_tied_weights", "attr", "broadcasts the tied weights from their first stage: "
+                "done again after a warm start has copied weights in"),
+    PrivateName(_MODULE, "get_tied_weights_and_groups", "attr", "each tied weight with the group of stages "
+                "holding a copy (the drift check, frozen tied weights)"),
+    PrivateName(_ENGINE, "_hp_grad", "reads", "under bf16 the engine all-reduces a tied weight's fp32 gradient "
+                "from weight._hp_grad: a frozen one is given None, the one-call add sets it"),
+    # -- the bf16 optimizer's gradient accumulation (bf16_grads.py) --
+    PrivateName(_ENGINE, "update_hp_grads", "reads", "the engine calls the bf16 optimizer's update_hp_grads after "
+                "each micro-batch's backward: the call bf16_grads.py replaces"),
+    PrivateName(_BF16, "update_hp_grads", "attr", "replaced by one foreach add (bf16_grads.py)"),
+    PrivateName(_BF16, "immediate_grad_update", "sets", "whether gradients are added by per-parameter hooks instead"),
+    PrivateName(_BF16, "bf16_groups", "sets", "the bf16 parameters, by group"),
+    PrivateName(_BF16, "fp32_groups_gradients", "sets", "their fp32 gradients, which the add accumulates into"),
+    PrivateName(_BF16, "fp32_groups_has_gradients", "sets", "which fp32 gradients hold a sum (marked by the add)"),
+    # -- the torch optimizer inside DeepSpeed's (torch_optimizer) --
+    PrivateName(_BF16, "optimizer", "sets", "the torch optimizer whose groups' settings a checkpoint load restores"),
+    PrivateName(_ZERO, "optimizer", "sets", "the same inside the ZeRO-1 optimizer (fp32)"),
+    # -- this rank's place in the grid (parallel_ranks, pipe_group) --
+    PrivateName(_ENGINE, "grid", "sets", "the pipeline/data-parallel grid of the engine"),
+    *(PrivateName(_GRID, name, "attr", "this rank's place in the grid, and the group of its replica's stages")
+      for name in ("get_data_parallel_rank", "get_data_parallel_world_size", "get_pipe_parallel_rank",
+                   "get_pipe_parallel_world_size", "get_pipe_parallel_group")),
+    # -- no C++ build of the shared-memory allreduce on CPU (skip_shm_comm_build) --
+    PrivateName("deepspeed.ops", "__compatible_ops__", "attr", "the ops DeepSpeed may JIT-compile; deepspeed.comm "
+                "reads it before building the shared-memory allreduce"),
+    PrivateName("deepspeed.ops.__compatible_ops__", "deepspeed_shm_comm", "key", "the shared-memory allreduce for "
+                "CPU (~90 s to build on first use), turned off: gloo does the same job"),
+    PrivateName("deepspeed.comm.torch", "__compatible_ops__", "reads", "where the turned-off op is looked up"),
+)
+
+
+# -- the functions the rest of RetroPipe calls --
+
+def skip_shm_comm_build() -> None:
+    """DeepSpeed JIT-compiles a shared-memory allreduce for CPU on first use (~90 s); gloo does the
+    same job without a C++ build, so never build it."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+class StagesCutAt:
+    """Mixin before PipelineModule: its stages cut at explicit boundaries `parts` (DeepSpeed only
+    offers named methods: "uniform", "parameters", "type:...")."""
+
+    def __init__(self, layers, parts: list[int], **kwargs):
+        self._retropipe_parts = list(parts)
+        super().__init__(layers, **kwargs)
+
+    def _partition_layers(self, method="uniform"):
+        self.parts = list(self._retropipe_parts)
+        stage = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+
+def stage_layers(module, descs: list) -> list[tuple[str, object]]:
+    """(name in the layer list, layer) of each layer of this rank's stage, in order: a module, or a
+    function for a tied layer's later use (its module is in tied_modules)."""
+    return [(descs[module._local_start + j].name, layer) for j, layer in enumerate(module.forward_funcs)]
+
+
+def tied_modules(module) -> dict:
+    """The tied modules this stage holds, by tie key."""
+    return dict(module.tied_modules.items())
+
+
+def broadcast_tied_weights(module) -> None:
+    """Every stage's copy of a tied weight made its first stage's again (after a warm start)."""
+    module._synchronize_tied_weights()
+
+
+def tied_weights(module) -> list[tuple]:
+    """(weight, process group of the stages holding a copy) for each tied weight of this stage."""
+    return module.get_tied_weights_and_groups()
+
+
+def no_gradient_for_frozen_tied_weights(module) -> None:
+    """Every step the pipeline engine all-reduces each tied weight's gradient between the stages
+    that hold it; under bf16 it reads the fp32 gradient `_hp_grad` that DeepSpeed's bf16 optimizer
+    attaches to the parameters it trains. A frozen tied weight (the token embedding of a RETRO-fit)
+    is not trained, so it has none: it is given None, which the engine skips, as it skips a None
+    `.grad` in fp32."""
+    for weight, _ in tied_weights(module):
+        if not weight.requires_grad and not hasattr(weight, "_hp_grad"):
+            weight._hp_grad = None
+
+
+def parallel_ranks(engine) -> tuple[int, int, int]:
+    """(data-parallel rank, data-parallel world size, pipeline stage) of this rank."""
+    grid = engine.grid
+    return grid.get_data_parallel_rank(), grid.get_data_parallel_world_size(), grid.get_pipe_parallel_rank()
+
+
+def pipe_group(engine) -> tuple[int, object]:
+    """(number of stages, the process group of this replica's stages)."""
+    grid = engine.grid
+    return grid.get_pipe_parallel_world_size(), grid.get_pipe_parallel_group()
+
+
+def torch_optimizer(engine):
+    """The torch optimizer inside DeepSpeed's ZeRO or bf16 optimizer (the engine's own without one)."""
+    return getattr(engine.optimizer, "optimizer", engine.optimizer)
+
+
+# What the one-call add reads and writes on DeepSpeed's BF16_Optimizer (0.15 to 0.19).
+_BF16_NEEDS = ("bf16_groups", "fp32_groups_gradients", "fp32_groups_has_gradients", "update_hp_grads")
+# BF16_Optimizer settings under which its accumulation does more per parameter than add (CUDA
+# graph harvesting, expert-parallel folding): read with a default, as older releases lack them.
+_BF16_DOES_MORE = ("graph_harvesting", "autoep_folding_tp_group")
+
+
+def bf16_optimizer_adding_after_backward(engine):
+    """The engine's BF16_Optimizer where it adds each micro-batch's gradients after the backward
+    (`immediate_grad_update` off) by plain adds; None where there is no bf16 optimizer or its hooks
+    add them during the backward; None with a warning where it lacks what the one-call add uses
+    or does more per parameter than add."""
+    optimizer = engine.optimizer
+    if getattr(optimizer, "immediate_grad_update", True):  # not BF16_Optimizer, or its hooks asked for
+        return None
+    missing = [name for name in _BF16_NEEDS if not hasattr(optimizer, name)]
+    extra = [name for name in _BF16_DOES_MORE if getattr(optimizer, name, None)]
+    if missing or extra:
+        warnings.warn(f"bf16 gradients: DeepSpeed's own accumulation, one parameter at a time (its optimizer "
+                      f"{'lacks ' + ', '.join(missing) if missing else 'uses ' + ', '.join(extra)})", stacklevel=3)
+        return None
+    return optimizer
+
+
+def take_bf16_grads(optimizer) -> tuple[list, list]:
+    """(fp32 gradients, the bf16 gradients to add into them) of every parameter with a gradient,
+    each fp32 one marked as holding a sum and attached as the parameter's `_hp_grad` (what the
+    pipe engine all-reduces for tied weights); the bf16 gradients are let go from the parameters,
+    so the next backward writes its own instead of adding into them."""
+    fp32, bf16 = [], []
+    for i, group in enumerate(optimizer.bf16_groups):
+        for j, param in enumerate(group):
+            if param.grad is None:  # frozen, or on no path from this stage's loss
+                continue
+            hp_grad = optimizer.fp32_groups_gradients[i][j]
+            fp32.append(hp_grad)
+            bf16.append(param.grad.view(hp_grad.shape))
+            param._hp_grad = hp_grad
+            optimizer.fp32_groups_has_gradients[i][j] = True
+            param.grad = None  # nothing reads it before the step; the next backward writes afresh
+    return fp32, bf16
+
+
+def replace_update_hp_grads(optimizer, update_hp_grads) -> None:
+    """`update_hp_grads(clear_lp_grads=False)` called in place of the optimizer's own."""
+    optimizer.update_hp_grads = update_hp_grads
