@@ -1,5 +1,6 @@
 """The DeepSpeed JSON generated from the train section, with train.deepspeed merged over it
-(training/pipeline/deepspeed_config.py: plain dicts, no DeepSpeed)."""
+(training/pipeline/deepspeed_config.py: plain dicts, no DeepSpeed); and the check that the installed
+DeepSpeed has every private name training/pipeline/deepspeed_private.py reaches."""
 
 import pytest
 
@@ -76,3 +77,36 @@ def test_the_fused_adamw_step_goes_only_to_torchs_adamw():
     assert "fused" not in own["optimizer"]["params"]
     off = deepspeed_config(TrainConfig(deepspeed={"optimizer": {"params": {"fused": False}}}))
     assert off["optimizer"]["params"]["fused"] is False and off["optimizer"]["params"]["torch_adam"] is True
+
+
+# -- the private DeepSpeed names training/pipeline/deepspeed_private.py reaches --
+
+def test_the_installed_deepspeed_has_every_private_name_we_reach():
+    from retropipe.training.pipeline.deepspeed_private import check_private_names
+
+    check_private_names()  # raises a TrainingError naming what is missing
+
+
+@pytest.mark.parametrize("owner, kind", [
+    ("deepspeed.runtime.pipe.module.PipelineModule", "attr"),       # a method
+    ("deepspeed.runtime.pipe.module.PipelineModule", "sets"),       # an instance attribute
+    ("deepspeed.runtime.pipe.engine.PipelineEngine", "reads"),      # read off another object
+    ("deepspeed.ops.__compatible_ops__", "key"),                    # a key of a mapping
+    ("deepspeed.runtime.no_such_module.NoSuchClass", "attr"),       # a module gone
+])
+def test_a_private_name_deepspeed_lacks_is_named_with_the_adapter_and_the_tested_range(owner, kind):
+    import deepspeed
+
+    from retropipe.training.run import TrainingError
+    from retropipe.training.pipeline.deepspeed_private import PrivateName, check_private_names, tested_range
+
+    made_up = PrivateName(owner, "_retropipe_made_up_name", kind, "a test")
+    real = PrivateName("deepspeed.runtime.pipe.module.PipelineModule", "_set_bounds", "attr", "a test")
+    with pytest.raises(TrainingError) as e:
+        check_private_names((real, made_up))
+    message = str(e.value)
+    assert message.startswith(f"DeepSpeed {deepspeed.__version__} lacks {owner}")
+    assert "_retropipe_made_up_name" in message and "_set_bounds" not in message
+    assert "training/pipeline/deepspeed_private.py" in message
+    assert f"RetroPipe is tested with {tested_range()} (pyproject.toml)" in message
+    assert tested_range().startswith("deepspeed>=")

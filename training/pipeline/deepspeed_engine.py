@@ -225,6 +225,7 @@ class Pipeline:
     """
 
     def __init__(self, model: ModelConfig, train: TrainConfig, warm_start: bool = True):
+        private.check_private_names()  # a TrainingError naming what this DeepSpeed lacks, before any work
         self.train = train
         with _quiet_prints():
             module, self.descs, self.parts = build_pipeline(model, train)

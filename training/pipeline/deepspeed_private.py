@@ -9,13 +9,22 @@ the functions below reach into DeepSpeed's attributes and methods. deepspeed_eng
 bf16_grads.py call these functions; nothing else of RetroPipe touches a private name.
 
 A DeepSpeed release may rename any of them without notice, so each is listed in PRIVATE_NAMES
-(where it lives, what we use it for).
+(where it lives, what we use it for) and `check_private_names()` (run when a Pipeline is built,
+and by tests/training/test_deepspeed_config.py) fails at once, naming what is gone, the installed
+DeepSpeed and the range pyproject.toml pins, instead of training going wrong later. Before
+widening that range, run the check (and the suite) against the new release.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import re
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
+
+from retropipe.training.run import TrainingError
 
 _MODULE = "deepspeed.runtime.pipe.module.PipelineModule"
 _ENGINE = "deepspeed.runtime.pipe.engine.PipelineEngine"
@@ -82,6 +91,72 @@ PRIVATE_NAMES = (
                 "CPU (~90 s to build on first use), turned off: gloo does the same job"),
     PrivateName("deepspeed.comm.torch", "__compatible_ops__", "reads", "where the turned-off op is looked up"),
 )
+
+
+def _resolve(path: str):
+    """The object at a dotted path (the longest importable module, then attributes); None if gone."""
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            obj = getattr(obj, attr, None)
+            if obj is None:
+                return None
+        return obj
+    return None
+
+
+def _source(obj) -> str:
+    """The source of a module, or of a class and its DeepSpeed base classes."""
+    if inspect.ismodule(obj):
+        return inspect.getsource(obj)
+    return "\n".join(inspect.getsource(c) for c in inspect.getmro(obj) if c.__module__.startswith("deepspeed"))
+
+
+def _present(entry: PrivateName) -> bool:
+    obj = _resolve(entry.owner)
+    if obj is None:
+        return False
+    name = re.escape(entry.name)
+    if entry.kind == "attr":
+        return hasattr(obj, entry.name)
+    if entry.kind == "key":
+        return entry.name in obj
+    if entry.kind == "sets":
+        return re.search(rf"\bself\.{name}\s*(:[^=\n]*)?=(?!=)", _source(obj)) is not None
+    if entry.kind == "reads":
+        return re.search(rf"\.{name}\b", _source(obj)) is not None
+    raise ValueError(f"PrivateName kind {entry.kind!r}")
+
+
+def tested_range() -> str:
+    """The deepspeed requirement pyproject.toml pins (from the checkout, else the installed metadata)."""
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    if pyproject.is_file():
+        found = re.search(r'"deepspeed\s*([^";]*)', pyproject.read_text())
+        if found:
+            return "deepspeed" + found.group(1).strip()
+    try:
+        from importlib.metadata import requires
+
+        return next(r.split(";")[0].strip() for r in requires("retropipe") or () if r.startswith("deepspeed"))
+    except Exception:  # noqa: BLE001 - not installed, or no deepspeed requirement: say where to look
+        return "the deepspeed release pyproject.toml pins"
+
+
+def check_private_names(names: tuple[PrivateName, ...] = PRIVATE_NAMES) -> None:
+    """A TrainingError naming every entry of `names` the installed DeepSpeed lacks."""
+    missing = [f"{e.owner}.{e.name}" if e.kind != "key" else f"{e.owner}[{e.name!r}]"
+               for e in names if not _present(e)]
+    if missing:
+        import deepspeed
+
+        raise TrainingError(f"DeepSpeed {deepspeed.__version__} lacks {', '.join(missing)} that "
+                            f"training/pipeline/deepspeed_private.py reaches (its PRIVATE_NAMES say what for); "
+                            f"RetroPipe is tested with {tested_range()} (pyproject.toml)")
 
 
 # -- the functions the rest of RetroPipe calls --
