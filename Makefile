@@ -15,6 +15,8 @@ TORCH_INDEX_URL ?=
 #   make install EXTRAS=gpu,offline,corpora,dev TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
 EXTRAS ?= cpu,offline,corpora,dev
 STAMP  := $(VENV)/.installed
+# DeepSpeed's requirement, read from pyproject.toml (the releases the test suite ran on).
+DEEPSPEED_SPEC := $(shell sed -n 's/^ *"\(deepspeed[^"]*\)".*/\1/p' pyproject.toml)
 CONFIG ?= configs/tiny.yaml
 
 export RAY_USAGE_STATS_ENABLED := 0
@@ -24,13 +26,13 @@ export TOKENIZERS_PARALLELISM := false
 
 install: $(STAMP)
 
-# torch first, then DeepSpeed without build isolation (it builds against the installed torch),
-# then the project (editable) with the rest of its dependencies and EXTRAS.
+# torch first, then DeepSpeed without build isolation (it builds against the installed torch; the
+# range pyproject.toml pins), then the project (editable) with the rest of its dependencies and EXTRAS.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q '$(TORCH_SPEC)' $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
-	$(PY) -m pip install -q --no-build-isolation deepspeed
+	$(PY) -m pip install -q --no-build-isolation '$(DEEPSPEED_SPEC)'
 	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
 	touch $(STAMP)
 
