@@ -23,11 +23,19 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 from retropipe.data.cpu import emulated_bf16
-from retropipe.data.errors import ConfigError, DataError, TrainingError
+from retropipe.data.errors import ConfigError, DataError
 from retropipe.data.stage import write_json
 from retropipe.launch.cli import config_from_args, entry_parser, quiet_engines
-from retropipe.training.run.run_dir import claim_run_dir
+from retropipe.training.models.io import save_model
+from retropipe.training.models.registry import build_model
+from retropipe.training.pipeline.deepspeed_config import deepspeed_config
+from retropipe.training.run import TrainingError
+from retropipe.training.run.cluster import Watchdog, check_shared_run_dir
+from retropipe.training.run.hardware import cpu_threads, local_processes
+from retropipe.training.run.preemption import PREEMPTED, Preemption
+from retropipe.training.run.run_dir import claim_run_dir, latest_checkpoint
 from retropipe.training.run.start import plan_start
+from retropipe.training.run.trainer import Trainer, check_tied_weights
 
 
 # Seconds the ranks of all nodes have to meet at the start (at least train.dist_timeout): a
@@ -68,7 +76,9 @@ def as_run(cfg):
 
 def preflight(cfg, world_size: int):
     """Every check of the config and the data that can fail before any process group or model
-    exists; returns the chunk store, the neighbours (RETRO) and the pipeline cut."""
+    exists; returns the chunk store, the neighbours (RETRO) and the pipeline cut. The run's one
+    computation of the layer list, the cut and the DeepSpeed JSON is kept as cfg.pipeline_plan
+    (training/pipeline/stage_plan.py): written as deepspeed_config.json, and what the Pipeline builds."""
     from retropipe.data.store import ChunkStore
     from retropipe.training.models.registry import layer_list
     from retropipe.training.run.hardware import gpu_has_bf16, inductor_cxx, local_gpu, local_processes, too_few_gpus
@@ -77,7 +87,7 @@ def preflight(cfg, world_size: int):
     if world_size % t.pipeline_stages:
         raise ConfigError("train.pipeline_stages", f"world size {world_size} is not divisible by "
                           f"{t.pipeline_stages} pipeline stages")
-    descs = layer_list(cfg.model)
+    descs = layer_list(cfg.model, fused_head=t.fused_head)  # the head the Pipeline builds
     if t.pipeline_stages > len(descs):
         raise ConfigError("train.pipeline_stages", f"{t.pipeline_stages} stages for a model of "
                           f"{len(descs)} pipeline layers")
@@ -86,8 +96,9 @@ def preflight(cfg, world_size: int):
         parts = partition(descs, t.pipeline_stages, t.partition, frozen_trunk=cfg.model.freeze_trunk)
     except ValueError as e:
         raise ConfigError("train.pipeline_stages", str(e).split(": ", 1)[-1]) from None
-    from retropipe.training.pipeline.deepspeed_config import deepspeed_config
-    deepspeed_config(t)  # train.deepspeed: the pipeline engine's limits, no contradiction with train.*
+    from retropipe.training.pipeline.stage_plan import StagePlan
+    # deepspeed_config: train.deepspeed within the pipeline engine's limits, no contradiction with train.*
+    cfg.pipeline_plan = StagePlan(descs, parts, deepspeed_config(t))
     cuda = torch.cuda.is_available()
     if cuda:
         crowded = too_few_gpus(local_processes(os.environ, world_size), torch.cuda.device_count())
@@ -128,8 +139,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = config_from_args(args)
-        store, neighbours, parts = preflight(cfg, world)
         run_dir = run_dir_of(cfg)
+        preemption = Preemption(cfg.train.preempt_grace, lambda: resume_point(run_dir)).install()
+        store, neighbours, parts = preflight(cfg, world)
         claim_run_dir(cfg, run_dir, write=False)  # every rank checks, so all exit together
         start = plan_start(cfg, run_dir, world, parts)  # fresh, resume (or extend), branch, complete
         claim_run_dir(cfg, run_dir, write=rank == 0)
@@ -140,31 +152,43 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(f"train: {run_dir} is complete ({cfg.train.steps} steps, summary.json); nothing to do")
         return 0
+    device = prepare_rank(cfg, run_dir, rank, world)
+    return run_distributed(cfg, (store, neighbours, run_dir, start), rank, world, device, preemption,
+                           progress=not args.no_progress)
+
+
+def resume_point(run_dir: Path) -> str:
+    """Where a rerun of this run resumes, in words (for the line a preempted rank prints)."""
+    latest = latest_checkpoint(run_dir / "checkpoints")
+    return f"step {latest['step']} ({run_dir / 'checkpoints' / latest['tag']})" if latest else "step 0 (no checkpoint)"
+
+
+def prepare_rank(cfg, run_dir: Path, rank: int, world: int) -> str:
+    """This rank's device, its CPU threads, and (rank 0) the run directory's records; the device."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if rank == 0:  # an extended run is not complete again until its new last step
         (run_dir / "summary.json").unlink(missing_ok=True)
         slow = emulated_bf16("train.precision", cfg.train.precision, device)
         if slow:
             print(f"train: warning: {slow}", file=sys.stderr, flush=True)
-
+        write_json(run_dir / "deepspeed_config.json", cfg.pipeline_plan.deepspeed)  # exactly what DeepSpeed gets
     if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        from retropipe.training.run.hardware import cpu_threads, local_processes
-
         local = local_processes(os.environ, world)
         torch.set_num_threads(cpu_threads(cfg.train.cpu_threads, local, cfg.train.pipeline_stages))
-    from retropipe.training.pipeline.deepspeed_config import deepspeed_config
-    from retropipe.training.pipeline.deepspeed_engine import init_distributed, shutdown
-    from retropipe.training.run.cluster import Watchdog, check_shared_run_dir
+    return device
 
-    if rank == 0:  # exactly what DeepSpeed is given, for the record
-        write_json(run_dir / "deepspeed_config.json", deepspeed_config(cfg.train))
+
+def run_distributed(cfg, work, rank: int, world: int, device: str, preemption, progress: bool) -> int:
+    """Join the process group, guard it (watchdog, shared run directory), train; the exit code."""
+    # DeepSpeed loads here, once the config and the data are checked: a refused config exits at once.
+    from retropipe.training.pipeline.deepspeed_engine import init_distributed, shutdown
 
     timeout = cfg.train.resolved_dist_timeout(device)
     init_distributed(max(timeout, JOIN_TIMEOUT))
-    watchdog = Watchdog(rank, world, timeout).start() if world > 1 else None
+    watchdog = Watchdog(rank, world, timeout, on_signal=preemption.request).start() if world > 1 else None
     try:
-        check_shared_run_dir(run_dir, device)
-        return train(cfg, store, neighbours, run_dir, start, rank, progress=not args.no_progress)
+        check_shared_run_dir(work[2], device)
+        return train(cfg, *work, rank, preemption, progress=progress)
     except TrainingError as e:
         if rank == 0:
             print(f"train: error: {e}", file=sys.stderr)
@@ -179,34 +203,31 @@ def main(argv: list[str] | None = None) -> int:
         shutdown()
 
 
-def train(cfg, store, neighbours, run_dir: Path, start, rank: int, progress: bool = True) -> int:
+def train(cfg, store, neighbours, run_dir: Path, start, rank: int, preemption, progress: bool = True) -> int:
     """Build this rank's stage, train, export the model and mark the run complete; the exit code."""
-    from retropipe.training.pipeline.deepspeed_engine import Pipeline
-    from retropipe.training.run.trainer import Trainer, check_tied_weights
+    from retropipe.training.pipeline.deepspeed_engine import Pipeline  # DeepSpeed: see run_distributed
 
     try:
-        pipe = Pipeline(cfg.model, cfg.train, warm_start=start.kind == "fresh")
-        trainer = Trainer(cfg, pipe, store, neighbours, run_dir, start, progress=progress)
+        pipe = Pipeline(cfg.model, cfg.train, warm_start=start.kind == "fresh", plan=cfg.pipeline_plan)
+        trainer = Trainer(cfg, pipe, store, neighbours, run_dir, start, progress=progress, preemption=preemption)
     except TrainingError as e:
         if rank == 0:
             print(f"train: error: {e}", file=sys.stderr)
         return 2
     if rank == 0:
-        parts, descs = pipe.parts, pipe.descs
-        layers = [[d.name for d in descs[a:b]] for a, b in zip(parts, parts[1:])]
-        costs = [round(sum(d.cost for d in descs[a:b]), 3) for a, b in zip(parts, parts[1:])]
-        write_json(run_dir / "partition.json", {"parts": parts, "layers": layers, "gflops": costs})
-        print(f"pipeline: {cfg.train.pipeline_stages} stages × {pipe.dp_world} data parallel, "
-              f"{cfg.train.precision}; "
-              f"partition {parts} (GFLOPs per stage {costs})")
-        for s, names in enumerate(layers):
-            print(f"  stage {s}: {', '.join(names)}")
+        describe_pipeline(cfg, pipe, run_dir)
     if cfg.train.compile and pipe.dp_rank == 0:  # a line per stage: what compiles at its first step
         off = os.environ.get("TORCHDYNAMO_DISABLE") == "1"
         eager = "; TORCHDYNAMO_DISABLE=1 is set, so they run eager" if off else ""
         print(f"compile: stage {pipe.stage}: {', '.join(pipe.compiled) or 'no block'} through torch.compile{eager}",
               flush=True)
     result = trainer.fit()
+    if result["preempted_at"] is not None:
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0:  # one line per node
+            print(f"train: preempted ({preemption.signal_name}) after step {result['preempted_at']}; checkpoint "
+                  f"written; rerun the same command to resume from {resume_point(run_dir)}", file=sys.stderr,
+                  flush=True)
+        return PREEMPTED
     try:
         drift = check_tied_weights(pipe, "at the end of training", trainer.dtype)
     except TrainingError as e:
@@ -215,26 +236,43 @@ def train(cfg, store, neighbours, run_dir: Path, start, rank: int, progress: boo
         return 1
     state = pipe.gather_state_dict()
     if rank == 0:
-        from retropipe.training.models.registry import build_model
-        from retropipe.training.models.io import save_model
-
-        model = build_model(cfg.model)
-        model.load_state_dict(state, strict=True)
-        save_model(model, run_dir / "model")
-        summary = {"complete": True, "steps": cfg.train.steps, "resumed_from": result["start_step"],
-                   "branched_from": str(start.ckpt_dir / start.tag) if start.kind == "branch" else None,
-                   "final_loss": result["losses"].get(cfg.train.steps), "val_loss": result["val_loss"],
-                   "tied_embedding_max_diff": drift, "partition": pipe.parts,
-                   "peak_memory_mb": result["peak_memory_mb"], "model_dir": str(run_dir / "model")}
-        write_json(run_dir / "summary.json", summary)
-        final = summary["final_loss"]  # None when a rerun found the last step already trained
-        print(f"train: done; model in {run_dir / 'model'}" + (f"; final loss {final:.4f}" if final is not None else "")
-              + (f", validation loss {result['val_loss']:.4f}" if result["val_loss"] is not None else ""))
-        memory = result["peak_memory_mb"]
-        print("train: peak memory per rank: " + ", ".join(f"{mb:,} MB" for mb in memory["host_rss_mb"]) + " resident"
-              + ("; " + ", ".join(f"{mb:,} MB" for mb in memory["cuda_allocated_mb"]) + " CUDA allocated"
-                 if "cuda_allocated_mb" in memory else ""))
+        export(cfg, state, run_dir, start, result, drift, pipe.parts)
     return 0
+
+
+def describe_pipeline(cfg, pipe, run_dir: Path) -> None:
+    """partition.json, and the lines saying how the world is split and what a step trains on."""
+    t, parts, descs = cfg.train, pipe.parts, pipe.descs
+    layers = [[d.name for d in descs[a:b]] for a, b in zip(parts, parts[1:])]
+    costs = [round(sum(d.cost for d in descs[a:b]), 3) for a, b in zip(parts, parts[1:])]
+    write_json(run_dir / "partition.json", {"parts": parts, "layers": layers, "gflops": costs})
+    print(f"pipeline: {t.pipeline_stages} stages × {pipe.dp_world} data parallel, {t.precision}; "
+          f"partition {parts} (GFLOPs per stage {costs})")
+    sequences = t.micro_batch_size * t.micro_batches * pipe.dp_world
+    print(f"  global batch: {sequences} sequences of {t.seq_len} tokens a step (train.micro_batch_size "
+          f"{t.micro_batch_size} × train.micro_batches {t.micro_batches} × {pipe.dp_world} replicas)")
+    for s, names in enumerate(layers):
+        print(f"  stage {s}: {', '.join(names)}")
+
+
+def export(cfg, state: dict, run_dir: Path, start, result: dict, drift: float, parts: list[int]) -> None:
+    """The trained model (model/) and summary.json, which marks the run complete (rank 0)."""
+    model = build_model(cfg.model)
+    model.load_state_dict(state, strict=True)
+    save_model(model, run_dir / "model")
+    summary = {"complete": True, "steps": cfg.train.steps, "resumed_from": result["start_step"],
+               "branched_from": str(start.ckpt_dir / start.tag) if start.kind == "branch" else None,
+               "final_loss": result["losses"].get(cfg.train.steps), "val_loss": result["val_loss"],
+               "tied_embedding_max_diff": drift, "partition": parts,
+               "peak_memory_mb": result["peak_memory_mb"], "model_dir": str(run_dir / "model")}
+    write_json(run_dir / "summary.json", summary)
+    final = summary["final_loss"]  # None when a rerun found the last step already trained
+    print(f"train: done; model in {run_dir / 'model'}" + (f"; final loss {final:.4f}" if final is not None else "")
+          + (f", validation loss {result['val_loss']:.4f}" if result["val_loss"] is not None else ""))
+    memory = result["peak_memory_mb"]
+    print("train: peak memory per rank: " + ", ".join(f"{mb:,} MB" for mb in memory["host_rss_mb"]) + " resident"
+          + ("; " + ", ".join(f"{mb:,} MB" for mb in memory["cuda_allocated_mb"]) + " CUDA allocated"
+             if "cuda_allocated_mb" in memory else ""))
 
 
 def exit_now(code: int) -> None:

@@ -139,6 +139,35 @@ def test_a_lost_or_stopped_rank_ends_every_process_quickly(workdir, sig, victim)
     assert "Traceback" not in log
 
 
+def test_a_signalled_rank_checkpoints_the_step_and_every_process_exits_to_resume_there(workdir):
+    """A scheduler's SIGTERM to one rank of one node: every rank stops after the same step, writes
+    its checkpoint, and exits 75 within train.preempt_grace; the rerun resumes from that step.
+    (That a resumed run trains the undisturbed run's losses: the test below.)"""
+    name, steps = "preempted", "train.steps=20"
+    procs = launch_nodes(2, 2, args(workdir, "tiny-gpt2.yaml", name, steps, "train.checkpoint_every=1000"),
+                         workdir / f"logs-{name}")
+    try:
+        wait_for_steps(workdir / "runs" / name, 3)
+        os.kill(rank_pids(f"train.name={name}")[1], signal.SIGTERM)
+        begun = time.time()
+        while time.time() - begun < 90 and any(p.poll() is None for p in procs):
+            time.sleep(0.2)
+        took = time.time() - begun
+    finally:
+        kill(procs)
+    log = "\n".join((workdir / f"logs-{name}" / f"node{n}.log").read_text() for n in (0, 1))
+    assert took < 60 and [p.returncode for p in procs] == [75, 75], (took, [p.returncode for p in procs], log[-3000:])
+    stopped = json.loads((workdir / "runs" / name / "checkpoints" / "latest.json").read_text())["step"]
+    assert 3 <= stopped < 20 and sorted(losses(workdir / "runs" / name)) == list(range(1, stopped + 1))
+    lines = re.findall(r"train: preempted .*", log)  # one a node
+    assert len(lines) == 2 and all(f"(SIGTERM) after step {stopped}; " in line and
+                                   f"resume from step {stopped} (" in line for line in lines), lines
+    assert "Traceback" not in log
+    codes, log = two_nodes(workdir, "tiny-gpt2.yaml", name, steps, "train.checkpoint_every=1000")
+    assert codes == [0, 0] and f"resumed from step {stopped}" in log, log[-3000:]
+    assert sorted(losses(workdir / "runs" / name)) == list(range(1, 21))
+
+
 def test_a_node_killed_while_writing_a_checkpoint_resumes_from_the_one_before(workdir, four_steps):
     """Node 1's ranks die with their share of step 4's checkpoint on disk: step 2 stays the newest
     complete one, and the rerun of both nodes reproduces the uninterrupted curve bit for bit."""
@@ -159,7 +188,8 @@ def test_a_run_directory_the_nodes_do_not_share_is_refused(workdir, tmp_path):
     """Node 1 sees another directory at the workdir's path (here: another path, the same data)."""
     shutil.copytree(workdir / "data", tmp_path / "data")
     procs = launch_nodes(2, 2, args(workdir, "tiny-gpt2.yaml", "unshared"), workdir / "logs-unshared",
-                         node_args={1: args(tmp_path, "tiny-gpt2.yaml", "unshared")})
+                         node_args={1: args(tmp_path, "tiny-gpt2.yaml", "unshared")},
+                         env={"RETROPIPE_SHARED_WAIT": "3"})  # not the 60 s an NFS client may need
     deadline = time.time() + 120
     while time.time() < deadline and any(p.poll() is None for p in procs):
         time.sleep(0.2)

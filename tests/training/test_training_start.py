@@ -6,11 +6,12 @@ import json
 import pytest
 import yaml
 
-from retropipe.data.errors import ConfigError, TrainingError
+from retropipe.data.errors import ConfigError
 from retropipe.launch.config import load_config
 from retropipe.training.models.config import ModelConfig
 from retropipe.training.models.gpt2 import GPT2
 from retropipe.training.models.io import save_model
+from retropipe.training.run import TrainingError
 from retropipe.training.run.run_dir import claim_run_dir
 from retropipe.training.run.start import check_branch, check_init_from, plan_start
 
@@ -211,3 +212,19 @@ def test_a_start_error_is_printed_by_rank_0_at_once_and_by_another_rank_only_if_
     train.report_start_error(1, "no chunk store")
     assert time.perf_counter() - began >= 0.3
     assert capsys.readouterr().err == "train: error (rank 1): no chunk store\n"
+
+
+def test_a_checkpoint_resumes_only_on_the_world_shape_that_wrote_it(tmp_path):
+    """DeepSpeed partitions the optimizer state by stages × replicas: another shape is refused in
+    one line that names both, before DeepSpeed fails inside (2 ranks wrote fake_run's checkpoints)."""
+    run = tmp_path / "runs" / "gpt2"
+    fake_run(run, cfg(tmp_path), 8, checkpoints=(3,), complete=False)
+    assert plan_start(cfg(tmp_path), run, 2, PARTS).step == 3
+    with pytest.raises(TrainingError, match=r"written by 2 processes \(2 pipeline stages × 1 data-parallel replicas\); "
+                                            r"this job has 4 processes \(2 pipeline stages × 2 .* start 2 processes"):
+        plan_start(cfg(tmp_path), run, 4, PARTS)
+    (run / "checkpoints" / "step000003" / "state.json").write_text(json.dumps(
+        {"step": 3, "processes": 4, "pipeline_stages": 2}))  # as Trainer.save records the shape
+    assert plan_start(cfg(tmp_path), run, 4, PARTS).step == 3
+    with pytest.raises(TrainingError, match=r"4 processes \(2 pipeline stages .*; this job has 4 processes \(1 pipeline"):
+        plan_start(cfg(tmp_path), run, 4, [0, 6])

@@ -298,3 +298,42 @@ def test_a_resumed_optimizer_takes_this_runs_settings_and_the_fused_step_runs():
         return p.detach()
 
     torch.testing.assert_close(resumed(True), resumed(False))
+
+
+def test_a_scheduler_signal_asks_to_stop_and_the_deadline_exits_75(tmp_path):
+    """SIGUSR1 (Slurm's --signal) or SIGTERM marks a stop at the step's end; whatever happens after,
+    the process exits PREEMPTED once train.preempt_grace has passed, naming where to resume."""
+    import os
+    import signal
+    import threading
+
+    from retropipe.training.run.preemption import PREEMPTED, Preemption
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    exited, lines = threading.Event(), []
+    codes = []
+    preemption = Preemption(0.5, lambda: "step 7", log=lines.append,
+                            exit_fn=lambda code: (codes.append(code), exited.set()))
+    try:
+        preemption.install()
+        assert not preemption.requested and not preemption.agreed("cpu")
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert preemption.requested and preemption.signal_name == "SIGUSR1" and preemption.agreed("cpu")
+        assert not codes  # the deadline has not passed yet
+        assert exited.wait(5) and codes == [PREEMPTED] == [75]
+        assert "train.preempt_grace (0.5 s); rerun the same command to resume from step 7" in lines[0]
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
+def test_a_file_another_node_writes_is_seen_once_it_appears_within_the_wait(tmp_path):
+    """A network filesystem may answer "no such file" from its cache: the check waits for it."""
+    import threading
+
+    from retropipe.training.run.cluster import sees_file
+
+    marker = tmp_path / "run" / ".shared-x"
+    assert not sees_file(marker, 0.2)
+    threading.Timer(0.5, lambda: (marker.parent.mkdir(), marker.write_text("node0"))).start()
+    assert sees_file(marker, 5)

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from retropipe.data.errors import TrainingError
+from retropipe.training.run import TrainingError
 
 PREFIX = "retropipe/watchdog/"
 WATCHED = 8          # ranks each rank watches (the next ones around the ring)
@@ -56,7 +56,7 @@ def check_shared_run_dir(run_dir: Path, device: str = "cpu") -> None:
     if rank == 0:
         marker.write_text(socket.gethostname())
     dist.barrier()
-    blind = torch.tensor([0 if marker.is_file() else 1], device=device)
+    blind = torch.tensor([0 if rank == 0 or sees_file(marker, shared_wait()) else 1], device=device)
     seen = [torch.zeros_like(blind) for _ in range(dist.get_world_size())]
     dist.all_gather(seen, blind)
     dist.barrier()
@@ -67,6 +67,30 @@ def check_shared_run_dir(run_dir: Path, device: str = "cpu") -> None:
         raise TrainingError(f"{run_dir} is not shared between the nodes: rank(s) {missing} do not see the file rank 0 "
                             f"wrote there; put workdir on storage every node mounts at the same path "
                             f"(docs/cluster.md)")
+
+
+def shared_wait() -> float:
+    """Seconds a rank waits to see rank 0's file: an NFS client caches "no such file" for up to
+    30-60 s (acdirmin/acdirmax), and every rank looked into the run directory before rank 0 made
+    it. RETROPIPE_SHARED_WAIT shortens it where a test refuses an unshared directory."""
+    return float(os.environ.get("RETROPIPE_SHARED_WAIT", 60))
+
+
+def sees_file(path: Path, wait: float) -> bool:
+    """path is a file, now or within `wait` seconds. Listing its directories asks the server again
+    where a network filesystem answers a lookup from its cache."""
+    deadline = time.monotonic() + wait
+    while True:
+        for folder in (path.parent.parent, path.parent):
+            try:
+                os.listdir(folder)
+            except OSError:
+                pass
+        if path.is_file():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(min(1.0, max(deadline - time.monotonic(), 0.0)))
 
 
 def set_collective_timeout(seconds: float) -> int:
@@ -88,8 +112,9 @@ def interval_for(timeout: float) -> float:
 
 class Watchdog:
     def __init__(self, rank: int, world: int, timeout: float, host: str | None = None, port: int | None = None,
-                 exit_fn=os._exit, log=None):
+                 exit_fn=os._exit, log=None, on_signal=None):
         self.rank, self.world, self.timeout = rank, world, float(timeout)
+        self.on_signal = on_signal  # called with a signal number that came while the main thread waits
         self.interval = interval_for(self.timeout)
         self.exit_fn, self.log = exit_fn, log or (lambda line: print(line, file=sys.stderr, flush=True))
         host = host or os.environ.get("MASTER_ADDR", "127.0.0.1")
@@ -114,9 +139,9 @@ class Watchdog:
         return self._calls.submit(fn, *args).result(timeout=2 * self.interval)
 
     def start(self) -> "Watchdog":
-        """Beat, and watch from a thread of its own; call from the main thread (it takes SIGTERM)."""
+        """Beat, and watch from a thread of its own; call from the main thread (it sets the wakeup fd)."""
         self._beat()
-        self._catch_sigterm()
+        self._read_signals()
         self._thread.start()
         return self
 
@@ -195,22 +220,21 @@ class Watchdog:
         self.exit_fn(1)
 
     # -- the thread --
-    def _catch_sigterm(self) -> None:
-        """A node's launcher ends its other ranks with SIGTERM when one of them exits non-zero. A
-        Python handler would run only once the main thread leaves the collective it waits in, so
-        the signal is read from a wakeup pipe by this thread, which names the lost rank first."""
+    def _read_signals(self) -> None:
+        """SIGTERM and SIGUSR1 (training/run/preemption.py holds their handlers) are also read from
+        a wakeup pipe by this thread: a Python handler runs only once the main thread leaves the
+        collective it waits in, and a preempted rank must not wait for that to start its deadline."""
         read, write = os.pipe()
         os.set_blocking(read, False)
         os.set_blocking(write, False)
         signal.set_wakeup_fd(write, warn_on_full_buffer=False)
-        signal.signal(signal.SIGTERM, lambda signum, frame: None)
         self._wake = read
 
-    def _terminated(self) -> bool:
+    def _signals(self) -> list[int]:
         try:
-            return signal.SIGTERM in os.read(self._wake, 64)
+            return list(os.read(self._wake, 64))
         except (BlockingIOError, TypeError):
-            return False
+            return []
 
     def _run(self) -> None:
         last_seen = {r: (-1, time.monotonic()) for r in self.watched}
@@ -218,9 +242,9 @@ class Watchdog:
         while not self._stop.wait(self.interval):
             now = time.monotonic()
             try:
-                if self._terminated():
-                    self.end("it exited, and its node's launcher ends the node's other ranks")
-                    return
+                for signum in self._signals():
+                    if self.on_signal and signum in (signal.SIGTERM, signal.SIGUSR1):
+                        self.on_signal(signum)
                 self._beat()
                 self._learn_pids()
                 cause = self._aborted()
@@ -242,7 +266,7 @@ class Watchdog:
                     return
 
     def end(self, why: str) -> None:
-        """The job failed here (a collective broke, or SIGTERM came): exit naming the rank that
+        """The job failed here (a collective broke): exit naming the rank that
         stopped beating, or the cause another rank named already. Returns only when every rank
         still beats (the failure is this rank's own: the caller re-raises it)."""
         lost = None

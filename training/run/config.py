@@ -14,7 +14,7 @@ class TrainConfig:
     # Keys that change how a run is watched and kept, not what it computes: a rerun with other
     # values resumes the same run (training/run/run_dir.py; data/stage.py output_settings).
     RUNTIME_KEYS: ClassVar[tuple[str, ...]] = ("name", "eval_every", "eval_batches", "checkpoint_every",
-                                               "keep_checkpoints", "dist_timeout")
+                                               "keep_checkpoints", "dist_timeout", "preempt_grace")
     # What dist_timeout 0 stands for. GPU: torch's own NCCL default, room for a large model's
     # checkpoint write on network storage. CPU: the models a CPU trains write a checkpoint in
     # seconds and send a micro-batch in well under a minute.
@@ -90,10 +90,14 @@ class TrainConfig:
     branch_from: str = ""
     seed: int = 1234
     # Seconds a rank may go without a sign of another before the whole job ends (every process
-    # exits non-zero, naming the lost rank: training/run/watchdog.py); also the process group's
+    # exits non-zero, naming the lost rank: training/run/cluster.py); also the process group's
     # collective timeout. Longer than any wait of a healthy run: a checkpoint write, a validation
     # pass, the slowest stage's micro-batches. 0 = AUTO_DIST_TIMEOUT (GPU 600 s, CPU 300 s).
     dist_timeout: float = 0.0
+    # Seconds from a scheduler's SIGTERM or SIGUSR1 until every process is gone: the ranks finish
+    # their step, write its checkpoint and exit 75 (training/run/preemption.py). DeepSpeed's launcher
+    # kills its ranks 30 s after it is itself sent SIGTERM, whatever this says.
+    preempt_grace: float = 60.0
     # Deep-merged over the DeepSpeed JSON generated from this section (training/pipeline/deepspeed_engine.py
     # deepspeed_config, saved as <run>/deepspeed_config.json), e.g.
     # {zero_optimization: {reduce_bucket_size: 50000000}}. Keys a train.* key sets are refused
@@ -124,6 +128,7 @@ class TrainConfig:
                 "set train.init_from (weights only, from step 0) or train.branch_from (a whole training state), not both")
         require(self.dist_timeout == 0 or self.dist_timeout >= 10, "train.dist_timeout",
                 f"must be 0 (auto) or at least 10 seconds, got {self.dist_timeout}")
+        require(self.preempt_grace >= 1, "train.preempt_grace", f"must be at least 1 second, got {self.preempt_grace}")
         require(isinstance(self.deepspeed, dict), "train.deepspeed",
                 f"must be a mapping of DeepSpeed config keys, got {self.deepspeed!r}")
 

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import yaml
 
-from retropipe.data.errors import TrainingError
 from retropipe.data.reading import Reading
 from retropipe.data.stage import atomic_write_text, read_json, write_json
 from retropipe.training.models.config import BEFORE_THE_FIELD, RETRIEVING_KINDS
+from retropipe.training.run import TrainingError
 
 STATE_FILE, LATEST, RULES_FILE = "state.json", "latest.json", "rules.json"
 
@@ -140,11 +140,12 @@ def latest_checkpoint(ckpt_dir: Path) -> dict | None:
     return read_json(Path(ckpt_dir) / LATEST, rerun="rerun training without it (it restarts the run)")
 
 
-def declare_checkpoint(ckpt_dir: Path, step: int, keep: int) -> None:
+def declare_checkpoint(ckpt_dir: Path, step: int, keep: int, shape: dict | None = None) -> None:
     """Mark the checkpoint of `step` complete (every rank's files are on disk); keep the newest
-    `keep` complete ones, and drop the incomplete ones a killed run left before this step."""
+    `keep` complete ones, and drop the incomplete ones a killed run left before this step. shape:
+    {"processes", "pipeline_stages"} of the world that wrote it, which a resume must have."""
     tag = checkpoint_tag(step)
-    write_json(ckpt_dir / tag / STATE_FILE, {"step": step})
+    write_json(ckpt_dir / tag / STATE_FILE, {"step": step, **(shape or {})})
     write_json(ckpt_dir / LATEST, {"tag": tag, "step": step})
     tags = sorted(p.name for p in ckpt_dir.glob("step*") if p.is_dir())
     complete = [t for t in tags if (ckpt_dir / t / STATE_FILE).is_file()]

@@ -31,8 +31,9 @@ from pathlib import Path
 
 import yaml
 
-from retropipe.data.errors import ConfigError, TrainingError
+from retropipe.data.errors import ConfigError
 from retropipe.data.stage import read_json
+from retropipe.training.run import TrainingError
 from retropipe.training.run.run_dir import LATEST, STATE_FILE, checkpoint_tag, latest_checkpoint
 
 
@@ -46,9 +47,8 @@ class Start:
 
 def check_init_from(path: str, model) -> None:
     """train.init_from names a GPT-2 model directory (ours or Hugging Face) of this trunk's shape."""
-    from retropipe.data.errors import ModelFormatError
     from retropipe.training.models.hf_interop import config_from_hf
-    from retropipe.training.models.io import read_config
+    from retropipe.training.models.io import ModelFormatError, read_config
 
     where = Path(path)
     if not where.is_dir():
@@ -115,6 +115,23 @@ def check_branch(cfg, run_dir: Path, world_size: int, parts: list[int]) -> Start
     return Start("branch", step, ckpt_dir, tag)
 
 
+def check_world_shape(checkpoint: Path, stored_parts: list[int] | None, world_size: int, parts: list[int]) -> None:
+    """A checkpoint resumes on the world that wrote it: DeepSpeed partitions the optimizer state
+    (ZeRO-1) over the data-parallel replicas and the pipeline stages, and reads it back only in
+    the same shape. A TrainingError that says which shape to start, before DeepSpeed fails inside."""
+    state = read_json(checkpoint / STATE_FILE) or {}
+    # Checkpoints written before state.json recorded the shape: one RNG file per process.
+    processes = state.get("processes") or len(list(checkpoint.glob("rng_rank*.pt")))
+    stages = state.get("pipeline_stages") or (len(stored_parts) - 1 if stored_parts else len(parts) - 1)
+    if (processes, stages) != (world_size, len(parts) - 1):
+        def shape(world: int, s: int) -> str:
+            return f"{world} processes ({s} pipeline stages × {world // max(s, 1)} data-parallel replicas)"
+        raise TrainingError(f"{checkpoint} was written by {shape(processes, stages)}; this job has "
+                            f"{shape(world_size, len(parts) - 1)}. DeepSpeed partitions the optimizer state by that "
+                            f"shape, so a run resumes only on the same one: start {processes} processes with "
+                            f"train.pipeline_stages={stages} (docs/cluster.md, \"Resuming on another cluster shape\")")
+
+
 def plan_start(cfg, run_dir: Path, world_size: int, parts: list[int]) -> Start:
     """Where this run starts (see the module docstring); reads files only."""
     t, run_dir = cfg.train, Path(run_dir)
@@ -133,6 +150,7 @@ def plan_start(cfg, run_dir: Path, world_size: int, parts: list[int]) -> Start:
             raise TrainingError(f"{run_dir}'s checkpoints hold a model of {stored[-1]} pipeline layers, but this "
                                 f"RetroPipe builds {parts[-1]} for the same config (its layer list changed since): "
                                 "they cannot be resumed; start a new run (train.name)")
+        check_world_shape(run_dir / "checkpoints" / latest["tag"], stored, world_size, parts)
         return Start("resume", step, run_dir / "checkpoints", latest["tag"])
     if summary is not None:
         raise TrainingError(f"{run_dir} finished {summary.get('steps')} steps but holds no checkpoint to continue "

@@ -18,10 +18,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from retropipe.data.errors import TrainingError
 from retropipe.data.stage import fault_point
 from retropipe.training.models.flops import flops_per_token, mfu, step_flops_per_token
 from retropipe.training.models.lm_head import IGNORE_INDEX
+from retropipe.training.run import TrainingError
 from retropipe.training.run.batches import SequenceBatches, micro_batches
 from retropipe.training.run.hardware import (host_matmul_flops_per_s, matmul_flops_per_s, peak_dtype, peak_memory_mb,
                                              share_of_peak)
@@ -84,9 +84,11 @@ def onto_device(micro_batch, device: torch.device):
 class Trainer:
     """start: where the run begins (training/run/start.py `plan_start`: fresh, resume or branch)."""
 
-    def __init__(self, cfg, pipe, store, neighbours, run_dir: Path, start, log=print, progress: bool = True):
+    def __init__(self, cfg, pipe, store, neighbours, run_dir: Path, start, log=print, progress: bool = True,
+                 preemption=None):
         self.cfg, self.pipe, self.store, self.run_dir, self.log = cfg, pipe, store, Path(run_dir), log
         self.start, self.progress = start, progress
+        self.preemption = preemption  # training/run/preemption.py: stop at a step's end on a signal
         self.t = cfg.train
         self.retro = cfg.model.retrieves
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -121,7 +123,8 @@ class Trainer:
         torch.save(rng_state(), self.ckpt_dir / tag / f"rng_rank{self.rank:03d}.pt")
         dist.barrier()  # every rank's files are on disk before the checkpoint is declared complete
         if self.rank == 0:
-            declare_checkpoint(self.ckpt_dir, step, self.t.keep_checkpoints)
+            declare_checkpoint(self.ckpt_dir, step, self.t.keep_checkpoints,
+                               {"processes": self.world, "pipeline_stages": self.t.pipeline_stages})
         dist.barrier()
 
     # -- validation --
@@ -148,7 +151,7 @@ class Trainer:
         batches = self._train_batches(start)
         peak, fpt = self._peak_flops(), flops_per_token(self.cfg.model, self.t.seq_len)
         bytes_per_token = self.store.split_bytes("validation") / max(self.store.manifest["splits"]["validation"]["tokens"], 1)
-        losses, val = {}, None
+        losses, val, stop, step = {}, None, False, start
         for step in range(start + 1, self.t.steps + 1):
             t0, targets_before = time.perf_counter(), self.targets_read
             loss = losses[step] = self.pipe.train_batch(batches)
@@ -166,15 +169,19 @@ class Trainer:
                 metrics.write(record)
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:.0f}", mfu=f"{record['mfu']:.2f}")
                 bar.update(1)
-            if step % self.t.checkpoint_every == 0 or step == self.t.steps:
+            stop = self.preemption is not None and step < self.t.steps and self.preemption.agreed(self.pipe.device)
+            if step % self.t.checkpoint_every == 0 or step == self.t.steps or stop:
                 self.save(step)
             # Tests of resumption: RETROPIPE_KILL_AFTER=train:N kills every rank right here, after
             # step N has finished and, if N is a checkpoint step, been checkpointed.
             fault_point("train", step)
+            if stop:
+                break
         if self.rank == 0:
             bar.close()
             metrics.close()
-        return {"losses": losses, "val_loss": val, "start_step": start, "peak_memory_mb": self._peak_memory()}
+        return {"losses": losses, "val_loss": val, "start_step": start, "peak_memory_mb": self._peak_memory(),
+                "preempted_at": step if stop else None}
 
     def _open_log(self, start: int):
         """(metrics log, progress bar) on rank 0, (None, None) elsewhere; says where a resumed run starts."""
