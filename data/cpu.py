@@ -3,6 +3,9 @@
 Shared by training (train.precision "auto", training/run/hardware.py) and the retrieval build
 (retrieval.embed_precision "auto"): with AVX512-BF16 or AMX, bf16 matmuls are 2-3× faster than
 fp32; without them oneDNN emulates bf16, several times slower. Reads /proc/cpuinfo (Linux).
+
+A fact of the hardware, not of data's stages: it lives in data because training and retrieval
+both need it and never import each other, and data is the one package both import.
 """
 
 from __future__ import annotations

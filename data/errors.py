@@ -1,18 +1,24 @@
-"""Every error RetroPipe reports to its users, in one module that every package may import.
+"""The errors every package may raise (ConfigError, DataError), and those of data's own stages.
 
-An entry point catches these and prints one line (`<entry>: error: <message>`, exit code 2); the
-message names the file, line or config key and what to run. Anything else is a bug and keeps
-its traceback.
+An entry point catches RetroPipe's errors and prints one line (`<entry>: error: <message>`, exit
+code 2); the message names the file, line or config key and what to run. Anything else is a bug
+and keeps its traceback.
 
     ConfigError       a config key's value is unknown, of the wrong type or impossible
     DataError         bad input data, or a stage's files missing or made for other inputs
       StageError        a stage file missing, corrupt or stale
-      RetrievalError    a bad retrieval input or a stale or corrupt retrieval file
     TokenizerError    the tokenizer's files are missing or altered
-    ModelFormatError  a model directory that is not ours, or does not match its config
-      HFFormatError     a Hugging Face GPT-2 directory we cannot read or compute the same
-    TrainingError     a training run cannot start or continue as asked
-    ClusterError      joining a Ray cluster failed
+
+The other packages' errors live with the code that raises them:
+
+    RetrievalError    (a DataError) a bad retrieval input or file    retrieval/__init__.py
+    ModelFormatError  a model directory not ours, or not its config  training/models/io.py
+      HFFormatError     a Hugging Face GPT-2 we cannot read           training/models/hf_interop.py
+    TrainingError     a run cannot start or continue as asked        training/run/__init__.py
+    ClusterError      joining a Ray cluster failed                   launch/ray_utils.py
+
+`BUILD_DATABASE`, the command to name when the retrieval database is missing or stale, is here
+because data's read side of the database (database_reader.py, neighbour_store.py) says it too.
 """
 
 from __future__ import annotations
@@ -40,25 +46,5 @@ class StageError(DataError):
     """A stage file is missing, corrupt or stale; the message names the file and what to rerun."""
 
 
-class RetrievalError(DataError):
-    """A bad retrieval input or a stale/corrupt retrieval file; the message names the file or key."""
-
-
 class TokenizerError(RuntimeError):
     """The tokenizer cannot be loaded as asked (a missing package, altered files, an unknown name)."""
-
-
-class ModelFormatError(ValueError):
-    """A model directory that is not a RetroPipe model, or whose weights do not match its config."""
-
-
-class HFFormatError(ModelFormatError):
-    """A Hugging Face GPT-2 directory that cannot be read, or a variant we do not compute the same."""
-
-
-class TrainingError(RuntimeError):
-    """A problem found before or during training, with a message meant for the user."""
-
-
-class ClusterError(RuntimeError):
-    """Joining a Ray cluster failed; the message says what to set."""

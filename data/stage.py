@@ -10,6 +10,10 @@ the same rules:
   - `manifest.json`, written last, marks the stage complete; with the same inputs it is skipped.
 Which config keys change a stage's output is declared once, on the config section
 (`RUNTIME_KEYS`: the keys that do not), and read through `output_settings`.
+
+The toolkit is data's because data is the one package every other imports: retrieval's stages,
+training's run and the entry points use it too. So is `fault_point`, the tests' crash at a chosen
+work unit: data's prepare stage and the training loop (training/run/trainer.py) both call it.
 """
 
 from __future__ import annotations

@@ -16,11 +16,12 @@ import os
 import sys
 from pathlib import Path
 
-from retropipe.data.errors import ClusterError, ConfigError, DataError, TokenizerError
+from retropipe.data.errors import ConfigError, DataError, TokenizerError
 from retropipe.data.store import ChunkStore
 from retropipe.launch.cli import config_from_args, entry_parser, quiet_engines
 from retropipe.launch.config import save_config
-from retropipe.launch.ray_utils import RayExecutor, record_work, work_summary
+from retropipe.launch.ray_utils import ClusterError, RayExecutor, record_work, work_summary
+from retropipe.retrieval import RetrievalError
 
 
 def open_chunk_store(data_dir: Path, workdir: str) -> ChunkStore:
@@ -46,7 +47,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = entry_parser(__doc__, ray=True)
     args = parser.parse_args(argv)
     quiet_engines(args.verbose)
-    from retropipe.data.errors import RetrievalError
     from retropipe.retrieval.build_database import build_retrieval, summary
     from retropipe.retrieval.ray_embed import RayEmbedRunner
 

@@ -18,11 +18,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from retropipe.data.errors import HFFormatError, ModelFormatError
 from retropipe.launch.cli import entry_parser
 from retropipe.training.models.gpt2 import GPT2
-from retropipe.training.models.hf_interop import GPT2_VOCAB, gpt2_from_hf, hf_source, save_hf
-from retropipe.training.models.io import load_model, save_model, write_dir_atomically
+from retropipe.training.models.hf_interop import GPT2_VOCAB, HFFormatError, gpt2_from_hf, hf_source, save_hf
+from retropipe.training.models.io import ModelFormatError, load_model, save_model, write_dir_atomically
 
 
 def main(argv: list[str] | None = None) -> int:

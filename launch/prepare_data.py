@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import sys
 
-from retropipe.data.errors import ClusterError, ConfigError, DataError, TokenizerError
+from retropipe.data.errors import ConfigError, DataError, TokenizerError
 from retropipe.data.prepare import prepare, summary
 from retropipe.launch.cli import config_from_args, entry_parser, quiet_engines
 from retropipe.launch.config import save_config
-from retropipe.launch.ray_utils import RayExecutor, record_work, work_summary
+from retropipe.launch.ray_utils import ClusterError, RayExecutor, record_work, work_summary
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,7 +20,9 @@ import os
 from collections import Counter
 from typing import Callable, Iterable, Iterator
 
-from retropipe.data.errors import ClusterError
+
+class ClusterError(RuntimeError):
+    """Joining a Ray cluster failed; the message says what to set."""
 
 
 def join_hint(address: str) -> str:

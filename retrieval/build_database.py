@@ -16,9 +16,9 @@ from pathlib import Path
 from retropipe.data.chunking import SPLITS
 from retropipe.data.config import DataConfig
 from retropipe.data.database_reader import Database
-from retropipe.data.errors import RetrievalError
 from retropipe.data.stage import Executor, output_settings, serial_executor, write_json
 from retropipe.data.store import ChunkStore
+from retropipe.retrieval import RetrievalError
 from retropipe.retrieval.config import RetrievalConfig
 from retropipe.retrieval.database_parts import DatabaseVectors, prepare_corpora, write_database
 from retropipe.retrieval.embed_job import (Embeddings, EmbedRunner, embed_stores, model_identity, resolve_model_path,

@@ -24,10 +24,11 @@ import numpy as np
 
 from retropipe.data.config import DataConfig
 from retropipe.data.database_reader import DATABASE_FILE
-from retropipe.data.errors import DataError, RetrievalError, TokenizerError
+from retropipe.data.errors import DataError, TokenizerError
 from retropipe.data.prepare import prepare
 from retropipe.data.stage import Executor, fingerprint, path_tag, serial_executor, write_json
 from retropipe.data.store import ChunkStore
+from retropipe.retrieval import RetrievalError
 from retropipe.retrieval.embed_job import Embeddings
 
 DATABASE_VERSION = 1

@@ -29,9 +29,10 @@ import numpy as np
 
 from retropipe.data.chunking import SPLITS
 from retropipe.data.cpu import emulated_bf16
-from retropipe.data.errors import BUILD_DATABASE, RetrievalError
+from retropipe.data.errors import BUILD_DATABASE
 from retropipe.data.stage import fingerprint, load_npy, open_stage, save_npy, sha256_file, write_json
 from retropipe.data.store import ChunkStore
+from retropipe.retrieval import RetrievalError
 from retropipe.retrieval.copies import ChunkCopies, ShardAssembly, find_copies
 # The model behind retrieval.embedder (re-exported: retrieval.embed_job is where callers find them).
 from retropipe.retrieval.embedder import (DEFAULT_MODEL_NAME, cached_embedder, embedding_backend,  # noqa: F401

@@ -15,8 +15,8 @@ import os
 import re
 from pathlib import Path
 
-from retropipe.data.errors import RetrievalError
 from retropipe.data.stage import fingerprint, sha256_file
+from retropipe.retrieval import RetrievalError
 
 DEFAULT_MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 

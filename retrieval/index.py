@@ -29,8 +29,8 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from retropipe.data.errors import RetrievalError
 from retropipe.data.stage import Executor, fingerprint, open_stage, serial_executor, sha256_file, tmp_path, write_json
+from retropipe.retrieval import RetrievalError
 
 MANIFEST_VERSION = 2  # 2: over the database's parts (ids are database ids)
 

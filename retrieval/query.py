@@ -25,10 +25,11 @@ from pathlib import Path
 import numpy as np
 
 from retropipe.data.database_reader import Database
-from retropipe.data.errors import BUILD_DATABASE, RetrievalError
+from retropipe.data.errors import BUILD_DATABASE
 from retropipe.data.neighbour_store import check_neighbour_count
 from retropipe.data.reading import Reading
 from retropipe.data.stage import read_json
+from retropipe.retrieval import RetrievalError
 from retropipe.retrieval.config import RetrievalConfig
 from retropipe.retrieval.database_parts import open_vectors
 from retropipe.retrieval.embed_job import (cached_embedder, chunk_texts, embed, model_identity, resolve_embed_precision,

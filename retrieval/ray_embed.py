@@ -21,7 +21,7 @@ from typing import Iterator
 import numpy as np
 
 from retropipe.data.chunking import SPLITS
-from retropipe.data.errors import RetrievalError
+from retropipe.retrieval import RetrievalError
 from retropipe.retrieval.embed_job import EmbedJob, EmbedSpec
 
 KILL_NODE_ENV = "RETROPIPE_KILL_NODE_AFTER"

@@ -319,7 +319,7 @@ def test_misconfigurations_are_refused_before_any_work(workdir, monkeypatch):
 
 
 def test_a_run_directory_refuses_another_run_but_not_other_stage_settings(tmp_path):
-    from retropipe.data.errors import TrainingError
+    from retropipe.training.run import TrainingError
     from retropipe.training.run.run_dir import claim_run_dir
 
     def cfg(*overrides):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from retropipe.data.config import DEFAULT_CORPUS
-from retropipe.data.errors import RetrievalError
+from retropipe.retrieval import RetrievalError
 from retropipe.retrieval.bert import plain_bert_layout
 from retropipe.retrieval.embed_job import cached_embedder, embed, load_embedder, token_lengths
 from retropipe.retrieval.embedder import embedding_backend, resolve_model_path

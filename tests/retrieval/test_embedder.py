@@ -13,8 +13,8 @@ import sys
 import numpy as np
 import pytest
 
-from retropipe.data.errors import RetrievalError
 from retropipe.data.store import ChunkStore
+from retropipe.retrieval import RetrievalError
 from retropipe.retrieval.build_database import build_retrieval
 from retropipe.retrieval.embed_job import cached_embedder, embed
 from retropipe.retrieval.embedder import local_model_path, model_identity, resolve_model_path

@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from retropipe.data.errors import RetrievalError
 from retropipe.data.stage import fingerprint, read_json, save_npy, write_json
 from retropipe.data.store import ChunkStore
 from retropipe.data.chunking import SPLITS
+from retropipe.retrieval import RetrievalError
 from retropipe.retrieval.build_database import build_retrieval
 from retropipe.retrieval.copies import find_copies
 from retropipe.retrieval.database_parts import DatabaseVectors

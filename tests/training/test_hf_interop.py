@@ -84,7 +84,7 @@ def test_convert_cli_rejects_bad_input_with_nonzero_exit(tmp_path):
 
 
 def test_unsupported_hf_variant_is_rejected():
-    from retropipe.data.errors import HFFormatError
+    from retropipe.training.models.hf_interop import HFFormatError
     from retropipe.training.models.hf_interop import config_from_hf
     cfg = GPT2Config(n_layer=1, n_embd=32, n_head=2, activation_function="relu").to_dict()
     with pytest.raises(HFFormatError, match="activation_function"):

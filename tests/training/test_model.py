@@ -3,11 +3,10 @@
 import pytest
 import torch
 
-from retropipe.data.errors import ModelFormatError
 from retropipe.training.models.registry import build_model, layer_list
 from retropipe.training.models.config import MODEL_PRESETS, ModelConfig
 from retropipe.training.models.gpt2 import GPT2, loss_fn
-from retropipe.training.models.io import load_model, save_model
+from retropipe.training.models.io import ModelFormatError, load_model, save_model
 from retropipe.training.models.layers import LayerStack
 
 

@@ -29,14 +29,18 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from retropipe.data.errors import HFFormatError
 from retropipe.training.models.config import ModelConfig
 from retropipe.training.models.gpt2 import GPT2
+from retropipe.training.models.io import ModelFormatError
 
 # Tokens of GPT-2's vocabulary (50,256 BPE merges and bytes + <|endoftext|>).
 GPT2_VOCAB = 50257
 # HF Conv1D weights, stored transposed relative to nn.Linear.
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+class HFFormatError(ModelFormatError):
+    """A Hugging Face GPT-2 directory that cannot be read, or a variant we do not compute the same."""
 
 
 def config_from_hf(hf: dict) -> ModelConfig:

@@ -25,6 +25,7 @@ gradients) is a function of training/pipeline/deepspeed_private.py, which lists 
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
 import functools
 import io
@@ -42,7 +43,6 @@ import deepspeed  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec  # noqa: E402
 
-from retropipe.training.models.registry import layer_list  # noqa: E402
 from retropipe.training.models.config import ModelConfig  # noqa: E402
 from retropipe.training.models.gpt2 import FusedLoss, loss_fn  # noqa: E402
 from retropipe.training.models.io import load_pretrained  # noqa: E402
@@ -51,10 +51,9 @@ from retropipe.training.models.retro import freeze_trunk, is_retrieval_parameter
 from retropipe.training.run import TrainingError  # noqa: E402
 from retropipe.training.pipeline.bf16_grads import add_grads_in_one_call  # noqa: E402
 from retropipe.training.pipeline import deepspeed_private as private  # noqa: E402
-from retropipe.training.pipeline.deepspeed_config import deepspeed_config  # noqa: E402
 from retropipe.training.pipeline.param_groups import parameter_groups, restore_group_settings  # noqa: E402
-from retropipe.training.pipeline.partition import partition  # noqa: E402
 from retropipe.training.pipeline.stage_boundary import at_boundary, class_at_boundary, unpack_boundary  # noqa: E402
+from retropipe.training.pipeline.stage_plan import StagePlan, stage_plan  # noqa: E402
 from retropipe.training.run.cluster import set_collective_timeout  # noqa: E402
 from retropipe.training.run.config import TrainConfig  # noqa: E402
 
@@ -149,9 +148,12 @@ def layer_specs(descs: list[LayerDesc], seed: int, parts: list[int] | None = Non
     return specs
 
 
-def build_pipeline(model: ModelConfig, train: TrainConfig) -> tuple[RetroPipeModule, list[LayerDesc], list[int]]:
-    descs = layer_list(model, fused_head=train.fused_head)
-    parts = partition(descs, train.pipeline_stages, train.partition, frozen_trunk=model.freeze_trunk)
+def build_pipeline(model: ModelConfig, train: TrainConfig,
+                   plan: StagePlan | None = None) -> tuple[RetroPipeModule, list[LayerDesc], list[int]]:
+    """This rank's stage of the plan's layer list and cut (training/pipeline/stage_plan.py; computed
+    here without one): (module, descs, parts)."""
+    plan = plan or stage_plan(model, train)
+    descs, parts = plan.descs, plan.parts
     module = RetroPipeModule(layer_specs(descs, train.seed, parts, model), parts=parts, num_stages=train.pipeline_stages,
                              loss_fn=FusedLoss() if train.fused_head else loss_fn,
                              activation_checkpoint_interval=train.activation_checkpoint_interval,
@@ -222,13 +224,16 @@ class Pipeline:
     """This rank's stage of the DeepSpeed pipeline engine, seen through what the loop needs.
 
     warm_start: copy train.init_from's weights in (False when a checkpoint is loaded next anyway).
+    plan: the layer list, the cut and the DeepSpeed config launch/train.py's preflight checked and
+    recorded (training/pipeline/stage_plan.py); computed here without one.
     """
 
-    def __init__(self, model: ModelConfig, train: TrainConfig, warm_start: bool = True):
+    def __init__(self, model: ModelConfig, train: TrainConfig, warm_start: bool = True,
+                 plan: StagePlan | None = None):
         private.check_private_names()  # a TrainingError naming what this DeepSpeed lacks, before any work
-        self.train = train
+        self.train, self.plan = train, plan or stage_plan(model, train)
         with _quiet_prints():
-            module, self.descs, self.parts = build_pipeline(model, train)
+            module, self.descs, self.parts = build_pipeline(model, train, self.plan)
         if train.init_from and warm_start:
             self._warm_start(module, train.init_from)
         if model.freeze_trunk:
@@ -237,7 +242,7 @@ class Pipeline:
         groups = parameter_groups(module, train.weight_decay)
         with _quiet_prints():
             self.engine, *_ = deepspeed.initialize(model=module, model_parameters=groups,
-                                                   config=deepspeed_config(train))
+                                                   config=copy.deepcopy(self.plan.deepspeed))
         private.no_gradient_for_frozen_tied_weights(module)
         add_grads_in_one_call(self.engine)
         self.compiled = compile_blocks(module, self.descs) if train.compile else []
@@ -302,7 +307,7 @@ class Pipeline:
             raise TrainingError(f"checkpoint {Path(ckpt_dir) / tag} could not be loaded")
         # The optimizer state brings the saved groups' settings: this config's decay, betas and
         # fused step win (DeepSpeed's ZeRO and bf16 optimizers wrap torch's as .optimizer).
-        params = deepspeed_config(self.train).get("optimizer", {}).get("params", {})
+        params = self.plan.deepspeed.get("optimizer", {}).get("params", {})
         restore_group_settings(private.torch_optimizer(self.engine), self.train.weight_decay,
                                (self.train.beta1, self.train.beta2),
                                params.get("fused") if params.get("torch_adam") else None)
