@@ -195,8 +195,8 @@ def worker(args) -> None:
     import torch
 
     from retropipe.training.pipeline.bf16_grads import add_grads_in_one_call
-    from retropipe.training.pipeline.deepspeed_config import deepspeed_config
     from retropipe.training.pipeline.deepspeed_engine import build_pipeline, compile_blocks
+    from retropipe.training.pipeline.stage_plan import stage_plan
     from retropipe.training.run.hardware import peak_memory_mb
     from retropipe.training.run.trainer import onto_device
 
@@ -204,8 +204,9 @@ def worker(args) -> None:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     deepspeed.init_distributed(dist_backend="nccl" if args.device == "cuda" else "gloo")
     model_cfg, train = configs(args, args.worker)
-    module, descs, parts = build_pipeline(model_cfg, train)
-    config = deepspeed_config(train)
+    plan = stage_plan(model_cfg, train)  # the layer list, the cut and the DeepSpeed JSON, as launch/train.py's
+    module, descs, parts = build_pipeline(model_cfg, train, plan)
+    config = plan.deepspeed
     if args.grads == "hooks":  # DeepSpeed's own: a Python hook per parameter adds each bf16 gradient
         config["bf16"]["immediate_grad_update"] = True
     engine, *_ = deepspeed.initialize(model=module, model_parameters=[p for p in module.parameters()],

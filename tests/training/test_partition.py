@@ -117,3 +117,19 @@ def test_too_many_stages_are_refused():
         partition(descs, 7, "cost")
     with pytest.raises(ValueError, match="no 'cost' partition"):
         partition(descs, 6, "cost")  # six stages of one layer each: wte alone cannot train
+
+
+def test_the_stage_plan_is_the_layer_list_the_cut_and_the_deepspeed_config_computed_once():
+    """training/pipeline/stage_plan.py: what launch/train.py's preflight checks and records is what
+    the Pipeline builds (the fused head included) and what DeepSpeed is given."""
+    from retropipe.training.models.gpt2 import head_inputs
+    from retropipe.training.pipeline.deepspeed_config import deepspeed_config
+    from retropipe.training.pipeline.stage_plan import stage_plan
+    from retropipe.training.run.config import TrainConfig
+
+    model, train = ModelConfig(kind="retro", n_layer=4, **SHAPE), TrainConfig(pipeline_stages=2, partition="cost")
+    plan = stage_plan(model, train)
+    descs = layer_list(model, fused_head=True)
+    assert [d.name for d in plan.descs] == [d.name for d in descs] and plan.descs[-1].forward_fn is head_inputs
+    assert plan.parts == partition(descs, 2, "cost")
+    assert plan.deepspeed == deepspeed_config(train)
