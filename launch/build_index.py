@@ -22,6 +22,8 @@ from retropipe.launch.cli import config_from_args, entry_parser, quiet_engines
 from retropipe.launch.config import save_config
 from retropipe.launch.ray_utils import ClusterError, RayExecutor, record_work, work_summary
 from retropipe.retrieval import RetrievalError
+from retropipe.retrieval.build_database import build_retrieval, summary
+from retropipe.retrieval.ray_embed import RayEmbedRunner
 
 
 def open_chunk_store(data_dir: Path, workdir: str) -> ChunkStore:
@@ -47,9 +49,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = entry_parser(__doc__, ray=True)
     args = parser.parse_args(argv)
     quiet_engines(args.verbose)
-    from retropipe.retrieval.build_database import build_retrieval, summary
-    from retropipe.retrieval.ray_embed import RayEmbedRunner
-
     executor = None
     try:
         cfg = config_from_args(args)

@@ -57,7 +57,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 def resolve_device(name: str) -> str:
     """'auto' → 'cuda' where a GPU is visible, else 'cpu'; 'cuda' without one is a ConfigError."""
-    import torch
+    import torch  # local: every entry point imports this module, and prepare_data never needs torch
 
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"

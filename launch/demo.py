@@ -37,6 +37,15 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+import yaml
+
+from retropipe.launch.cli import config_from_args, engines_verbose, entry_parser, quiet_engines
+from retropipe.launch.config import load_config
+from retropipe.launch.train import as_run, run_dir_of
+from retropipe.training.run.hardware import too_few_gpus
+from retropipe.training.run.run_dir import run_dir_conflict
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # The opening of the Jargon File's "kluge" entry, in the validation split of the embedded corpus
@@ -62,12 +71,6 @@ def older_runs(config: str, plan: list[tuple[str, list[str]]]) -> str | None:
     older demo's: RETRO trained from scratch, or either model with other settings). Training
     would refuse it only when its stage comes, with a hint (train.name) the demo cannot follow;
     so the demo names every such directory before any stage runs."""
-    import yaml
-
-    from retropipe.launch.config import load_config
-    from retropipe.launch.train import as_run, run_dir_of
-    from retropipe.training.run.run_dir import run_dir_conflict
-
     found = []
     for _, cmd in plan:
         if "launch/train.py" not in cmd:
@@ -87,8 +90,6 @@ def older_runs(config: str, plan: list[tuple[str, list[str]]]) -> str | None:
 
 
 def stages(config: str, corpus: str, overrides: list[str], nproc: int, workdir: Path) -> list[tuple[str, list[str]]]:
-    from retropipe.launch.cli import engines_verbose
-
     sets = [a for o in overrides for a in ("--set", o)]
     py = sys.executable
     deepspeed = shutil.which("deepspeed", path=str(Path(py).parent)) or "deepspeed"
@@ -120,9 +121,6 @@ def stages(config: str, corpus: str, overrides: list[str], nproc: int, workdir: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from retropipe.launch.cli import config_from_args, entry_parser, quiet_engines
-    from retropipe.launch.config import load_config
-
     parser = entry_parser(__doc__, progress=False)
     parser.set_defaults(config="configs/tiny.yaml")
     parser.add_argument("--nproc", type=int, default=2, help="DeepSpeed processes (CPU: over gloo)")
@@ -133,29 +131,33 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"demo: error: {e}", file=sys.stderr)
         return 2
-    if args.nproc % cfg.train.pipeline_stages:
-        print(f"demo: error: --nproc {args.nproc} is not a multiple of train.pipeline_stages "
-              f"({cfg.train.pipeline_stages})", file=sys.stderr)
-        return 2
-    import torch
-
-    from retropipe.training.run.hardware import too_few_gpus
-
-    crowded = too_few_gpus(args.nproc, torch.cuda.device_count()) if torch.cuda.is_available() else None
-    if crowded:  # before any stage: training would refuse it only after the database is built
-        print(f"demo: error: --nproc {args.nproc}: {crowded}", file=sys.stderr)
+    refused = nproc_refused(args.nproc, cfg)
+    if refused:  # before any stage: training would refuse it only after the database is built
+        print(f"demo: error: {refused}", file=sys.stderr)
         return 2
     workdir = Path(cfg.workdir).resolve()
     # The user's --set win over the demo's; the stages agree on one absolute workdir.
     overrides = [*demo_overrides(workdir), *args.overrides, f"workdir={workdir}"]
     config = str(Path(args.config).resolve())
-    resolved = load_config(config, overrides)
-    report = resolved.reports_dir / "report.md"
+    report = load_config(config, overrides).reports_dir / "report.md"
     plan = stages(config, str(cfg.data.corpus), overrides, args.nproc, workdir)
     older = older_runs(config, plan)
     if older:
         print(f"demo: error: {older}", file=sys.stderr)
         return 2
+    return run_stages(plan, workdir, report)
+
+
+def nproc_refused(nproc: int, cfg) -> str | None:
+    """Why --nproc cannot train this config, or None."""
+    if nproc % cfg.train.pipeline_stages:
+        return f"--nproc {nproc} is not a multiple of train.pipeline_stages ({cfg.train.pipeline_stages})"
+    crowded = too_few_gpus(nproc, torch.cuda.device_count()) if torch.cuda.is_available() else None
+    return f"--nproc {nproc}: {crowded}" if crowded else None
+
+
+def run_stages(plan: list[tuple[str, list[str]]], workdir: Path, report: Path) -> int:
+    """Each stage's command in turn, timed; the first that fails stops the demo (exit code 1)."""
     # Not offline mode: the defaults need no network (bundled files), and a hub name given with
     # --set is fetched as the user asked.
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"}

@@ -21,11 +21,22 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from retropipe.data.cpu import emulated_bf16
+import torch
+from tqdm import tqdm
+
+from retropipe.data.cpu import cpu_has_bf16, emulated_bf16
 from retropipe.data.errors import ConfigError, DataError
-from retropipe.data.stage import path_tag
+from retropipe.data.stage import fingerprint, path_tag, read_json, sha256_file, write_json
+from retropipe.data.store import ChunkStore
+from retropipe.data.tokenizer import get_tokenizer
 from retropipe.launch.cli import config_from_args, entry_parser, quiet_engines, resolve_device
 from retropipe.launch.config import save_config
+from retropipe.launch.report import how_trained, table, write_report
+from retropipe.retrieval.heldout import evaluation_neighbours, prepare_heldout
+from retropipe.training.evaluation.report_rows import evaluate_models
+from retropipe.training.evaluation.scoring import token_byte_lengths
+from retropipe.training.models.io import load_model
+from retropipe.training.run.hardware import gpu_has_bf16
 
 
 def model_dir_of(path: Path) -> Path:
@@ -38,61 +49,65 @@ def scoring_precision_on(precision: str, device: str) -> str:
     if precision != "auto":
         return precision
     if device.startswith("cuda"):
-        import torch
-
-        from retropipe.training.run.hardware import gpu_has_bf16
-
         return "bf16" if gpu_has_bf16(torch.cuda.get_device_capability(torch.device(device))) else "fp32"
-    from retropipe.data.cpu import cpu_has_bf16
-
     return "bf16" if cpu_has_bf16() else "fp32"
 
 
 def evaluate(cfg, checkpoints: list[Path], split: str, out: Path, corpus: str | None = None,
              database: Path | None = None, device: str = "cpu", progress: bool = True) -> dict:
     """Score every checkpoint on `split` (or on a held-out corpus); write the report files into out."""
-    from tqdm import tqdm
-
-    from retropipe.data.stage import fingerprint, read_json, sha256_file, write_json
-    from retropipe.data.store import ChunkStore
-    from retropipe.data.tokenizer import get_tokenizer
-    from retropipe.launch.report import how_trained, write_report
-    from retropipe.training.evaluation.report_rows import evaluate_models
-    from retropipe.training.evaluation.scoring import token_byte_lengths
-    from retropipe.training.models.io import load_model
-
     # "auto" as it stands on this device: the report, its fingerprint and config.yaml name the precision scored in.
     cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, precision=scoring_precision_on(cfg.eval.precision,
                                                                                                  device)))
-    train_store = ChunkStore(cfg.data_dir)
-    store = train_store
-    if corpus:
-        from retropipe.retrieval.heldout import prepare_heldout
-
-        store = prepare_heldout(cfg.data, corpus, out / "data", train_store, progress=progress)
-        split = "validation"
+    store, split = evaluation_store(cfg, split, out, corpus, progress)
     database = Path(database or cfg.retrieval_dir)
     models = [(p.name if p.name != "model" else p.parent.name, load_model(model_dir_of(p), device=device))
               for p in checkpoints]
     neighbours, curve = None, []
     if any(m.cfg.retrieves for _, m in models):
-        from retropipe.retrieval.heldout import evaluation_neighbours
-
         neighbours, curve = evaluation_neighbours(cfg, store, split, out, database, device)
-    # The evaluation's manifest: what the report is computed from. report.json, written last,
-    # records it; a rerun with the same inputs reads the report back instead of scoring again.
-    inputs = fingerprint({"models": [(name, sha256_file(model_dir_of(p) / "model.safetensors"),
-                                      sha256_file(model_dir_of(p) / "config.json"))
-                                     for (name, _), p in zip(models, checkpoints)],
-                          "chunk_store": store.fingerprint, "split": split, "eval": vars(cfg.eval),
-                          "reading": neighbours.reading.settings() if neighbours else None,
-                          "neighbours": neighbours.manifest["fingerprint"] if neighbours else None,
-                          "curve": [n.manifest["fingerprint"] for _, _, n in curve]})
+    inputs = evaluation_inputs(cfg, models, checkpoints, store, split, neighbours, curve)
     done = read_json(out / "report.json")
     if done is not None and done.get("inputs") == inputs and (out / "report.md").exists():
         print(f"evaluate: {out / 'report.json'} is complete for these models, data and settings; nothing to do "
               f"(delete it to score again)")
         return done
+    report, trained = score(cfg, models, checkpoints, store, split, neighbours, curve, device, progress)
+    report.update(split=split, corpus=corpus or str(cfg.data.corpus), heldout_corpus=bool(corpus), database=str(database),
+                  checkpoints=[str(p) for p in checkpoints], inputs=inputs, trained=trained)
+    out.mkdir(parents=True, exist_ok=True)
+    write_report(report, [p for p in checkpoints], out)
+    save_config(cfg, out)
+    write_json(out / "report.json", report)  # last: the report is complete
+    return report
+
+
+def evaluation_store(cfg, split: str, out: Path, corpus: str | None, progress: bool) -> tuple[ChunkStore, str]:
+    """The chunks to score and their split: the training data's `split`, or a held-out corpus
+    prepared into out/data (all of it, as its validation split)."""
+    train_store = ChunkStore(cfg.data_dir)
+    if not corpus:
+        return train_store, split
+    return prepare_heldout(cfg.data, corpus, out / "data", train_store, progress=progress), "validation"
+
+
+def evaluation_inputs(cfg, models: list, checkpoints: list[Path], store: ChunkStore, split: str, neighbours,
+                      curve: list) -> str:
+    """The evaluation's manifest: what the report is computed from. report.json, written last,
+    records it; a rerun with the same inputs reads the report back instead of scoring again."""
+    return fingerprint({"models": [(name, sha256_file(model_dir_of(p) / "model.safetensors"),
+                                    sha256_file(model_dir_of(p) / "config.json"))
+                                   for (name, _), p in zip(models, checkpoints)],
+                        "chunk_store": store.fingerprint, "split": split, "eval": vars(cfg.eval),
+                        "reading": neighbours.reading.settings() if neighbours else None,
+                        "neighbours": neighbours.manifest["fingerprint"] if neighbours else None,
+                        "curve": [n.manifest["fingerprint"] for _, _, n in curve]})
+
+
+def score(cfg, models: list, checkpoints: list[Path], store: ChunkStore, split: str, neighbours, curve: list,
+          device: str, progress: bool) -> tuple[dict, dict]:
+    """Every model scored on the split's chunks → (the report's rows and the rest evaluate_models
+    gives, how each model was trained), warning first where bf16 is only emulated here."""
     slow = emulated_bf16("eval.precision", cfg.eval.precision, device)
     if slow:
         print(f"evaluate: warning: {slow}", file=sys.stderr, flush=True)
@@ -101,13 +116,7 @@ def evaluate(cfg, checkpoints: list[Path], split: str, out: Path, corpus: str | 
     bar = (lambda name: lambda xs: tqdm(xs, desc=f"eval {name}", leave=False, dynamic_ncols=True)) if progress else None
     report = evaluate_models(models, chunks, token_byte_lengths(get_tokenizer(store.manifest["tokenizer"])), cfg.eval,
                              neighbours, curve, progress=bar, device=device)
-    report.update(split=split, corpus=corpus or str(cfg.data.corpus), heldout_corpus=bool(corpus), database=str(database),
-                  checkpoints=[str(p) for p in checkpoints], inputs=inputs, trained=trained)
-    out.mkdir(parents=True, exist_ok=True)
-    write_report(report, [p for p in checkpoints], out)
-    save_config(cfg, out)
-    write_json(out / "report.json", report)  # last: the report is complete
-    return report
+    return report, trained
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,7 +152,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, ValueError) as e:
         print(f"evaluate: error: {e}", file=sys.stderr)
         return 2
-    from retropipe.launch.report import table
     print(table(report))
     print(f"report: {out / 'report.md'}")
     return 0

@@ -27,12 +27,19 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
+from tqdm import tqdm
 
 from retropipe.data.errors import ConfigError, DataError, TokenizerError
+from retropipe.data.neighbour_store import check_neighbour_count
+from retropipe.data.tokenizer import get_tokenizer
 from retropipe.launch.cli import config_from_args, entry_parser, quiet_engines, resolve_device
 from retropipe.launch.evaluate import model_dir_of
+from retropipe.retrieval.query import Retriever, check_database, query_text
+from retropipe.training.evaluation.sampling import check_sampling, generate_samples
+from retropipe.training.models.io import load_model
 
 
 @dataclass
@@ -67,9 +74,6 @@ def read_prompts(args) -> list[str]:
 
 def open_retrieval(cfg, model_cfg, k: int | None, device: str, database: Path | None = None):
     """(Retriever, k, tokenizer name) for a RETRO model, or a clear error; k None = eval.neighbours."""
-    from retropipe.data.neighbour_store import check_neighbour_count
-    from retropipe.retrieval.query import Retriever, check_database
-
     root = Path(database or cfg.retrieval_dir)
     check_database(root)  # first, so that a missing database names build_index
     retriever = Retriever(root, cfg.retrieval, device=device)
@@ -83,56 +87,73 @@ def open_retrieval(cfg, model_cfg, k: int | None, device: str, database: Path | 
 
 def run(args) -> Result:
     """Load the model, wire retrieval to it, sample."""
-    from tqdm import tqdm
-
-    from retropipe.data.tokenizer import get_tokenizer
-    from retropipe.training.evaluation.sampling import check_sampling, generate_samples
-    from retropipe.training.models.io import load_model
-
     cfg = config_from_args(args)  # --print-config exits here, before any model is read
     device = resolve_device(args.device)
-    check_sampling(args.temperature, args.top_k, args.top_p)
-    if args.max_new_tokens < 0 or (args.neighbours or 0) < 0:
-        raise ValueError("--max-new-tokens and --neighbours must be >= 0")
-    if args.num_samples < 1:
-        raise ValueError(f"--num-samples must be >= 1, got {args.num_samples}")
+    check_request(args)
     prompts = read_prompts(args)
-    model_dir = model_dir_of(args.checkpoint)
-    if not (model_dir / "config.json").exists():
-        raise DataError(f"--checkpoint {args.checkpoint}: no model there (expected a run directory with model/, "
-                        f"or a directory with config.json and model.safetensors)")
-    model = load_model(model_dir, device=device)
+    model, model_dir = load_checkpoint(args.checkpoint, device)
     retriever, k, tokenizer = None, 0, cfg.data.tokenizer
     if model.cfg.retrieves and args.neighbours != 0:
         retriever, k, tokenizer = open_retrieval(cfg, model.cfg, args.neighbours, device, args.database)
     elif not model.cfg.retrieves and args.neighbours:
         raise ValueError(f"--neighbours {args.neighbours}: {model_dir} is a GPT-2 model, which takes no neighbours")
     encoding = get_tokenizer(tokenizer)
+    encoded = encode_prompts(prompts, encoding, tokenizer, model.cfg.vocab_size, args.prompt_file)
+    names = {}
+    retrieve = retrieval_for(retriever, k, encoding, model.cfg.chunk_len, names) if retriever else None
+    bar = tqdm(encoded, desc="prompts", leave=False, dynamic_ncols=True,
+               disable=args.no_progress or len(encoded) == 1)
+    outs = [generate_samples(model, prompt, args.max_new_tokens, args.num_samples, temperature=args.temperature,
+                             top_k=args.top_k, top_p=args.top_p, seed=args.seed, eot_id=encoding.eot_token,
+                             retrieve=retrieve, cache=not args.no_cache) for prompt in bar]
+    return Result(prompts, outs, names, encoding, k, model.cfg.chunk_len)
+
+
+def check_request(args) -> None:
+    """The sampling flags' values, refused before anything is loaded."""
+    check_sampling(args.temperature, args.top_k, args.top_p)
+    if args.max_new_tokens < 0 or (args.neighbours or 0) < 0:
+        raise ValueError("--max-new-tokens and --neighbours must be >= 0")
+    if args.num_samples < 1:
+        raise ValueError(f"--num-samples must be >= 1, got {args.num_samples}")
+
+
+def load_checkpoint(checkpoint: Path, device: str):
+    """(model, its model directory) of --checkpoint: a run directory or a model directory."""
+    model_dir = model_dir_of(checkpoint)
+    if not (model_dir / "config.json").exists():
+        raise DataError(f"--checkpoint {checkpoint}: no model there (expected a run directory with model/, "
+                        f"or a directory with config.json and model.safetensors)")
+    return load_model(model_dir, device=device), model_dir
+
+
+def encode_prompts(prompts: list[str], encoding, tokenizer: str, vocab_size: int, prompt_file: Path | None):
+    """Each prompt's token ids (an empty one: end-of-text, a new document); an id beyond the model's
+    vocabulary is a ValueError naming the prompt."""
     eot_id = encoding.eot_token
     encoded = [encoding.encode_ordinary(p) or [eot_id] for p in prompts]  # no prompt: start a new document
     for i, prompt in enumerate(encoded):
-        if max(prompt) >= model.cfg.vocab_size:
-            where = f"--prompt-file {args.prompt_file}, prompt {i + 1}" if args.prompt_file else "--prompt"
+        if max(prompt) >= vocab_size:
+            where = f"--prompt-file {prompt_file}, prompt {i + 1}" if prompt_file else "--prompt"
             raise ValueError(f"{where}: tokenizer {tokenizer!r} gives id {max(prompt)}, beyond the model's "
-                             f"vocab_size ({model.cfg.vocab_size})")
-    names = {}
+                             f"vocab_size ({vocab_size})")
+    return encoded
+
+
+def retrieval_for(retriever, k: int, encoding, chunk_len: int, names: dict) -> Callable:
+    """generate_samples' retrieve(chunk_tokens, chunk) → the (k, r) neighbour tokens of the chunk,
+    their names recorded into `names` under (chunk, its tokens) for --show-neighbours."""
+    eot_id = encoding.eot_token
 
     def retrieve(chunk_tokens: list[int], chunk: int):
-        from retropipe.retrieval.query import query_text
-
-        query = np.full((1, model.cfg.chunk_len), -1, dtype=np.int64)
-        tokens = chunk_tokens[:model.cfg.chunk_len]
+        query = np.full((1, chunk_len), -1, dtype=np.int64)
+        tokens = chunk_tokens[:chunk_len]
         query[0, :len(tokens)] = tokens
         found, tokens = retriever.query([query_text(chunk_tokens, encoding, eot_id)], k, query)  # (1, k), (1, k, r)
         names[chunk, tuple(chunk_tokens)] = [chunk_name(retriever.database, i) for i in found[0]]
         return tokens[0]
 
-    bar = tqdm(encoded, desc="prompts", leave=False, dynamic_ncols=True,
-               disable=args.no_progress or len(encoded) == 1)
-    outs = [generate_samples(model, prompt, args.max_new_tokens, args.num_samples, temperature=args.temperature,
-                             top_k=args.top_k, top_p=args.top_p, seed=args.seed, eot_id=eot_id,
-                             retrieve=retrieve if retriever else None, cache=not args.no_cache) for prompt in bar]
-    return Result(prompts, outs, names, encoding, k, model.cfg.chunk_len)
+    return retrieve
 
 
 NO_NEIGHBOUR = "none"  # the name of a missing neighbour (the database holds fewer than k)

@@ -11,14 +11,21 @@ Token authentication is Ray's (docs.ray.io, ray-security/token-auth): a local Ra
 the cluster's token (~/.ray/auth_token, RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN). Ray does not switch
 it on by itself for an explicit address, so that a token is never sent to an address by surprise;
 when a join fails, `ClusterError` says what to set.
+
+Ray itself is imported inside the functions that use it: every Ray entry point imports this module
+first thing, and loads no Ray until a session starts.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 from collections import Counter
+from pathlib import Path
 from typing import Callable, Iterable, Iterator
+
+from retropipe.data.stage import write_json
 
 
 class ClusterError(RuntimeError):
@@ -47,10 +54,8 @@ def check_reachable(address: str) -> None:
         address = os.environ["RAY_ADDRESS"]                        # what ray.init reads for "auto"
     if "://" in address:
         return
-    import socket
-
     try:  # "auto" resolved as ray.init resolves it (Ray's own function, not public API)
-        from ray._private.services import canonicalize_bootstrap_address
+        from ray._private.services import canonicalize_bootstrap_address  # local: Ray (module docstring)
     except ImportError:
         return
 
@@ -71,7 +76,7 @@ def check_reachable(address: str) -> None:
 
 def _placed(fn: Callable, *args):
     """fn(*args) in a Ray task, with the id of the node that ran it."""
-    import ray
+    import ray  # local: Ray (module docstring)
 
     return ray.get_runtime_context().get_node_id(), fn(*args)
 
@@ -85,7 +90,7 @@ class RayExecutor:
         self.placements: Counter = Counter()
 
     def ensure_started(self):
-        import ray
+        import ray  # local: Ray loads here, as the session starts (module docstring)
         from ray.exceptions import AuthenticationError
 
         if not ray.is_initialized():
@@ -146,10 +151,6 @@ def record_work(stage_dir, **placements: Counter) -> dict | None:
     """<stage_dir>/run.json: how many units of each kind of work each Ray node ran
     ({"nodes": {node id: {"tasks": 5, "embed_jobs": 40}}}), the build's own record of where it
     ran; None (and nothing written) when this run did no work (the stage was complete)."""
-    from pathlib import Path
-
-    from retropipe.data.stage import write_json
-
     nodes: dict[str, dict[str, int]] = {}
     for kind, counts in placements.items():
         for node, n in counts.items():

@@ -6,7 +6,7 @@
   retrieval; data imports nothing else of RetroPipe; only the adapters import deepspeed and ray.
   Inside training: models ← run ← pipeline, evaluation (each imports only rooms before it).
 - Rooms stay small: at most 12 modules a folder, 400 lines a file, 50 lines a function in
-  training/ and retrieval/.
+  training/, retrieval/ and launch/.
 """
 
 import ast
@@ -78,7 +78,8 @@ MAY_IMPORT = {
     "launch": {"data", "retrieval", "training", "training.models", "training.run", "training.pipeline",
                "training.evaluation"},
 }
-ADAPTERS = {"deepspeed": {"training/pipeline/deepspeed_engine.py", "training/pipeline/deepspeed_private.py"},
+ADAPTERS = {"deepspeed": {"training/pipeline/deepspeed_engine.py", "training/pipeline/deepspeed_private.py",
+                          "training/pipeline/elastic_state.py"},
             "ray": {"launch/ray_utils.py", "retrieval/ray_embed.py"}}
 
 
@@ -107,7 +108,7 @@ def test_folders_files_and_functions_stay_small():
         lines = len(path.read_text().splitlines())
         if lines > 400:
             big.append(f"{path.relative_to(ROOT)}: {lines} lines")
-        if path.relative_to(ROOT).parts[0] in ("training", "retrieval"):
+        if path.relative_to(ROOT).parts[0] in ("training", "retrieval", "launch"):
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 50:
                     big.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: "
