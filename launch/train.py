@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 # CPU pipeline stages take turns: a waiting stage's OpenMP threads must sleep, not spin, for the
@@ -24,17 +25,23 @@ import torch  # noqa: E402
 
 from retropipe.data.cpu import emulated_bf16
 from retropipe.data.errors import ConfigError, DataError
+from retropipe.data.neighbour_store import NeighbourStore
+from retropipe.data.reading import Reading
 from retropipe.data.stage import write_json
+from retropipe.data.store import ChunkStore
 from retropipe.launch.cli import config_from_args, entry_parser, quiet_engines
 from retropipe.training.models.io import save_model
-from retropipe.training.models.registry import build_model
+from retropipe.training.models.registry import build_model, layer_list
 from retropipe.training.pipeline.deepspeed_config import deepspeed_config
+from retropipe.training.pipeline.partition import partition
+from retropipe.training.pipeline.stage_plan import StagePlan
 from retropipe.training.run import TrainingError
 from retropipe.training.run.cluster import Watchdog, check_shared_run_dir
-from retropipe.training.run.hardware import cpu_threads, local_processes
+from retropipe.training.run.hardware import (cpu_threads, gpu_has_bf16, inductor_cxx, local_gpu, local_processes,
+                                             resolve_precision, too_few_gpus)
 from retropipe.training.run.preemption import PREEMPTED, Preemption
 from retropipe.training.run.run_dir import claim_run_dir, latest_checkpoint
-from retropipe.training.run.start import plan_start
+from retropipe.training.run.start import keep_global_batch, plan_start
 from retropipe.training.run.trainer import Trainer, check_tied_weights
 
 
@@ -54,8 +61,6 @@ def report_start_error(rank: int, message: str) -> None:
     its node, say). Not after the group forms: the watchdog then keeps a rank alive through the
     launcher's SIGTERM and would report rank 0 lost; errors there are rank 0's to print."""
     if rank != 0:
-        import time
-
         time.sleep(ERROR_GRACE)
     print(f"train: error{f' (rank {rank})' if rank else ''}: {message}", file=sys.stderr, flush=True)
 
@@ -68,21 +73,15 @@ def as_run(cfg):
     """cfg as a training run records it: train.precision "auto" replaced by what it stands for on
     this machine, through the constructor so the section is validated again. The run directory's
     config.yaml holds this, so whoever checks a run directory against a config resolves it too."""
-    from retropipe.training.run.hardware import resolve_precision
-
     cfg.train = dataclasses.replace(cfg.train, precision=resolve_precision(cfg.train.precision))
     return cfg
 
 
 def preflight(cfg, world_size: int):
     """Every check of the config and the data that can fail before any process group or model
-    exists; returns the chunk store, the neighbours (RETRO) and the pipeline cut. The run's one
-    computation of the layer list, the cut and the DeepSpeed JSON is kept as cfg.pipeline_plan
-    (training/pipeline/stage_plan.py): written as deepspeed_config.json, and what the Pipeline builds."""
-    from retropipe.data.store import ChunkStore
-    from retropipe.training.models.registry import layer_list
-    from retropipe.training.run.hardware import gpu_has_bf16, inductor_cxx, local_gpu, local_processes, too_few_gpus
-
+    exists; returns the chunk store, the neighbours (RETRO) and the run's one computation of the
+    layer list, the cut and the DeepSpeed JSON (training/pipeline/stage_plan.py), which the
+    Pipeline builds from."""
     t = as_run(cfg).train
     if world_size % t.pipeline_stages:
         raise ConfigError("train.pipeline_stages", f"world size {world_size} is not divisible by "
@@ -91,14 +90,30 @@ def preflight(cfg, world_size: int):
     if t.pipeline_stages > len(descs):
         raise ConfigError("train.pipeline_stages", f"{t.pipeline_stages} stages for a model of "
                           f"{len(descs)} pipeline layers")
-    from retropipe.training.pipeline.partition import partition
     try:  # a cut where every stage trains (frozen trunk: a CCA layer per stage) must exist
         parts = partition(descs, t.pipeline_stages, t.partition, frozen_trunk=cfg.model.freeze_trunk)
     except ValueError as e:
         raise ConfigError("train.pipeline_stages", str(e).split(": ", 1)[-1]) from None
-    from retropipe.training.pipeline.stage_plan import StagePlan
     # deepspeed_config: train.deepspeed within the pipeline engine's limits, no contradiction with train.*
-    cfg.pipeline_plan = StagePlan(descs, parts, deepspeed_config(t))
+    plan = StagePlan(descs, parts, deepspeed_config(t))
+    check_hardware(t, world_size)
+    store = ChunkStore(cfg.data_dir)
+    if store.chunk_len != cfg.data.chunk_len:
+        raise ConfigError("data.chunk_len", f"{cfg.data.chunk_len}, but the chunk store {cfg.data_dir} "
+                          f"was prepared with chunk_len {store.chunk_len}")
+    n_train = len(store.split("train")) // (t.seq_len // store.chunk_len)
+    if n_train < t.micro_batch_size:
+        raise TrainingError(f"the training split holds {n_train} sequences of {t.seq_len} tokens, fewer than "
+                            f"train.micro_batch_size ({t.micro_batch_size})")
+    neighbours = None
+    if cfg.model.retrieves:
+        neighbours = NeighbourStore.of(cfg.retrieval_dir, store, chunks_per_seq=t.seq_len // store.chunk_len,
+                                        reading=Reading.for_training(cfg.retrieval))
+    return store, neighbours, plan
+
+
+def check_hardware(t, world_size: int) -> None:
+    """This machine can run train.* as set: enough GPUs, a compiler for train.compile, the precision."""
     cuda = torch.cuda.is_available()
     if cuda:
         crowded = too_few_gpus(local_processes(os.environ, world_size), torch.cuda.device_count())
@@ -112,21 +127,6 @@ def preflight(cfg, world_size: int):
     if t.precision == "bf16" and cuda and not gpu_has_bf16(torch.cuda.get_device_capability(local_gpu())):
         raise ConfigError("train.precision", "this GPU has no bf16 matmuls (compute capability below 8.0; "
                           "use fp16 or fp32)")
-    store = ChunkStore(cfg.data_dir)
-    if store.chunk_len != cfg.data.chunk_len:
-        raise ConfigError("data.chunk_len", f"{cfg.data.chunk_len}, but the chunk store {cfg.data_dir} "
-                          f"was prepared with chunk_len {store.chunk_len}")
-    n_train = len(store.split("train")) // (t.seq_len // store.chunk_len)
-    if n_train < t.micro_batch_size:
-        raise TrainingError(f"the training split holds {n_train} sequences of {t.seq_len} tokens, fewer than "
-                            f"train.micro_batch_size ({t.micro_batch_size})")
-    neighbours = None
-    if cfg.model.retrieves:
-        from retropipe.data.neighbour_store import NeighbourStore
-        from retropipe.data.reading import Reading
-        neighbours = NeighbourStore.of(cfg.retrieval_dir, store, chunks_per_seq=t.seq_len // store.chunk_len,
-                                        reading=Reading.for_training(cfg.retrieval))
-    return store, neighbours, parts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,10 +141,13 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_from_args(args)
         run_dir = run_dir_of(cfg)
         preemption = Preemption(cfg.train.preempt_grace, lambda: resume_point(run_dir)).install()
-        store, neighbours, parts = preflight(cfg, world)
+        store, neighbours, plan = preflight(cfg, world)
         claim_run_dir(cfg, run_dir, write=False)  # every rank checks, so all exit together
-        start = plan_start(cfg, run_dir, world, parts)  # fresh, resume (or extend), branch, complete
+        start = plan_start(cfg, run_dir, world, plan.parts)  # fresh, resume (or extend), branch, complete
         claim_run_dir(cfg, run_dir, write=rank == 0)
+        # On a resume, the checkpoint's global batch (config.yaml keeps the micro-batches as set).
+        cfg.train = keep_global_batch(cfg.train, world, start)
+        plan = dataclasses.replace(plan, deepspeed=deepspeed_config(cfg.train))
     except (ConfigError, DataError, TrainingError) as e:
         report_start_error(rank, str(e))
         return 2
@@ -152,8 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(f"train: {run_dir} is complete ({cfg.train.steps} steps, summary.json); nothing to do")
         return 0
-    device = prepare_rank(cfg, run_dir, rank, world)
-    return run_distributed(cfg, (store, neighbours, run_dir, start), rank, world, device, preemption,
+    device = prepare_rank(cfg, plan, run_dir, rank, world)
+    return run_distributed(cfg, (store, neighbours, run_dir, start, plan), rank, world, device, preemption,
                            progress=not args.no_progress)
 
 
@@ -163,7 +166,7 @@ def resume_point(run_dir: Path) -> str:
     return f"step {latest['step']} ({run_dir / 'checkpoints' / latest['tag']})" if latest else "step 0 (no checkpoint)"
 
 
-def prepare_rank(cfg, run_dir: Path, rank: int, world: int) -> str:
+def prepare_rank(cfg, plan, run_dir: Path, rank: int, world: int) -> str:
     """This rank's device, its CPU threads, and (rank 0) the run directory's records; the device."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if rank == 0:  # an extended run is not complete again until its new last step
@@ -171,7 +174,7 @@ def prepare_rank(cfg, run_dir: Path, rank: int, world: int) -> str:
         slow = emulated_bf16("train.precision", cfg.train.precision, device)
         if slow:
             print(f"train: warning: {slow}", file=sys.stderr, flush=True)
-        write_json(run_dir / "deepspeed_config.json", cfg.pipeline_plan.deepspeed)  # exactly what DeepSpeed gets
+        write_json(run_dir / "deepspeed_config.json", plan.deepspeed)  # exactly what DeepSpeed gets
     if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         local = local_processes(os.environ, world)
         torch.set_num_threads(cpu_threads(cfg.train.cpu_threads, local, cfg.train.pipeline_stages))
@@ -203,12 +206,12 @@ def run_distributed(cfg, work, rank: int, world: int, device: str, preemption, p
         shutdown()
 
 
-def train(cfg, store, neighbours, run_dir: Path, start, rank: int, preemption, progress: bool = True) -> int:
+def train(cfg, store, neighbours, run_dir: Path, start, plan, rank: int, preemption, progress: bool = True) -> int:
     """Build this rank's stage, train, export the model and mark the run complete; the exit code."""
     from retropipe.training.pipeline.deepspeed_engine import Pipeline  # DeepSpeed: see run_distributed
 
     try:
-        pipe = Pipeline(cfg.model, cfg.train, warm_start=start.kind == "fresh", plan=cfg.pipeline_plan)
+        pipe = Pipeline(cfg.model, cfg.train, warm_start=start.kind == "fresh", plan=plan)
         trainer = Trainer(cfg, pipe, store, neighbours, run_dir, start, progress=progress, preemption=preemption)
     except TrainingError as e:
         if rank == 0:

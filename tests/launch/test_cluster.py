@@ -99,6 +99,40 @@ def test_checkpoints_move_between_one_node_and_two(workdir, four_steps):
     assert sorted(a) == list(range(1, 7)) and a == b
 
 
+def back_to_step_2(run_dir, name):
+    """A copy of a finished 4-step run as if it had stopped after its checkpoint of step 2."""
+    copy = run_dir.parent / name
+    shutil.copytree(run_dir, copy)
+    shutil.rmtree(copy / "checkpoints" / "step000004")
+    (copy / "checkpoints" / "latest.json").write_text(json.dumps({"tag": "step000002", "step": 2}))
+    (copy / "summary.json").unlink()
+    return copy
+
+
+def test_a_checkpoint_resumes_on_another_number_of_replicas_or_stages(workdir, four_steps):
+    """Written by 2 stages × 2 replicas, step 2 resumes on 2 stages × 1 replica (twice the micro-batches:
+    the global batch stays), on 1 stage and on 4 stages; the step-4 checkpoint of 2 processes then
+    resumes on 4. Every loss is the undisturbed run's within 1e-4 (fp32)."""
+    source, _ = four_steps("tiny-gpt2.yaml", 1)
+    undisturbed = losses(source)
+    for name, nproc, stages in (("e2", 2, 2), ("e1", 1, 1), ("e4", 4, 4)):
+        run = back_to_step_2(source, f"elastic-{name}")
+        code, log = train(nproc, args(workdir, "tiny-gpt2.yaml", run.name, f"train.pipeline_stages={stages}"),
+                          workdir / f"logs-{run.name}")
+        assert code == 0 and "resumed from step 2" in log, log[-3000:]
+        assert f"train.micro_batches {4 // (nproc // stages)} × {nproc // stages} replicas" in log, log[-3000:]
+        got = losses(run)
+        assert sorted(got) == [1, 2, 3, 4] and all(abs(got[s] - undisturbed[s]) < 1e-4 for s in (3, 4)), (got, undisturbed)
+    # 2 processes wrote elastic-e2's step 4: on 4 processes (2 × 2) it extends as the 4-process run does.
+    reference = source.parent / "elastic-reference"
+    shutil.copytree(source, reference)
+    for run, nproc in ((reference, 4), (source.parent / "elastic-e2", 4)):
+        code, log = train(nproc, args(workdir, "tiny-gpt2.yaml", run.name, "train.steps=6"), workdir / f"logs-{run.name}-6")
+        assert code == 0 and "resumed from step 4" in log, log[-3000:]
+    a, b = losses(reference), losses(source.parent / "elastic-e2")
+    assert all(abs(a[s] - b[s]) < 1e-4 for s in (5, 6)), (a, b)
+
+
 def wait_for_steps(run_dir, n: int, timeout: float = 120) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:

@@ -13,7 +13,7 @@ from retropipe.training.models.gpt2 import GPT2
 from retropipe.training.models.io import save_model
 from retropipe.training.run import TrainingError
 from retropipe.training.run.run_dir import claim_run_dir
-from retropipe.training.run.start import check_branch, check_init_from, plan_start
+from retropipe.training.run.start import check_branch, check_init_from, keep_global_batch, plan_start
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 SHAPE = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.n_positions=64", "data.chunk_len=16",
@@ -214,17 +214,30 @@ def test_a_start_error_is_printed_by_rank_0_at_once_and_by_another_rank_only_if_
     assert capsys.readouterr().err == "train: error (rank 1): no chunk store\n"
 
 
-def test_a_checkpoint_resumes_only_on_the_world_shape_that_wrote_it(tmp_path):
-    """DeepSpeed partitions the optimizer state by stages × replicas: another shape is refused in
-    one line that names both, before DeepSpeed fails inside (2 ranks wrote fake_run's checkpoints)."""
+def test_another_world_shape_resumes_from_the_elastic_state_and_keeps_the_global_batch(tmp_path):
+    """DeepSpeed's own load needs the shape (processes, stages) that wrote the checkpoint; another
+    shape resumes from its elastic/ state, or is refused in one line where it has none (2 ranks wrote
+    fake_run's checkpoints). The global batch it trained on stays, the micro-batches follow."""
     run = tmp_path / "runs" / "gpt2"
     fake_run(run, cfg(tmp_path), 8, checkpoints=(3,), complete=False)
-    assert plan_start(cfg(tmp_path), run, 2, PARTS).step == 3
-    with pytest.raises(TrainingError, match=r"written by 2 processes \(2 pipeline stages × 1 data-parallel replicas\); "
-                                            r"this job has 4 processes \(2 pipeline stages × 2 .* start 2 processes"):
+    same = plan_start(cfg(tmp_path), run, 2, PARTS)
+    assert (same.step, same.elastic, same.global_batch) == (3, False, 0)
+    with pytest.raises(TrainingError, match=r"written by 2 processes \(2 pipeline stages × 1 data-parallel replicas\) "
+                                            r"and holds no elastic/ state .* this job has 4 processes \(2 pipeline "
+                                            r"stages × 2 .* Resume it on 2 processes"):
         plan_start(cfg(tmp_path), run, 4, PARTS)
+    (run / "checkpoints" / "step000003" / "elastic").mkdir()
     (run / "checkpoints" / "step000003" / "state.json").write_text(json.dumps(
-        {"step": 3, "processes": 4, "pipeline_stages": 2}))  # as Trainer.save records the shape
-    assert plan_start(cfg(tmp_path), run, 4, PARTS).step == 3
-    with pytest.raises(TrainingError, match=r"4 processes \(2 pipeline stages .*; this job has 4 processes \(1 pipeline"):
-        plan_start(cfg(tmp_path), run, 4, [0, 6])
+        {"step": 3, "processes": 2, "pipeline_stages": 2, "global_batch": 8}))  # as Trainer.save records it
+    assert not plan_start(cfg(tmp_path), run, 2, PARTS).elastic
+    for world, parts, micro_batches in ((4, PARTS, 2), (1, [0, 6], 4), (8, [0, 2, 3, 4, 6], 2)):
+        start = plan_start(cfg(tmp_path, "train.micro_batch_size=2"), run, world, parts)
+        assert (start.elastic, start.global_batch) == (True, 8)
+        train = keep_global_batch(cfg(tmp_path, "train.micro_batch_size=2", f"train.pipeline_stages={len(parts) - 1}").train,
+                                  world, start)
+        assert (train.micro_batches, train.global_batch) == (micro_batches, 8)
+    with pytest.raises(ConfigError, match=r"train.global_batch.*8 sequences a step do not split into micro-batches "
+                                          r"of 2 .* over 3 data-parallel replicas"):
+        keep_global_batch(cfg(tmp_path, "train.micro_batch_size=2", "train.pipeline_stages=1").train, 3, start)
+    with pytest.raises(ConfigError, match=r"train.global_batch.*16, but the run being resumed trains on 8"):
+        keep_global_batch(cfg(tmp_path, "train.global_batch=16").train, 2, start)

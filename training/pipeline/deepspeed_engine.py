@@ -51,6 +51,7 @@ from retropipe.training.models.retro import freeze_trunk, is_retrieval_parameter
 from retropipe.training.run import TrainingError  # noqa: E402
 from retropipe.training.pipeline.bf16_grads import add_grads_in_one_call  # noqa: E402
 from retropipe.training.pipeline import deepspeed_private as private  # noqa: E402
+from retropipe.training.pipeline.elastic_state import load_elastic, save_elastic  # noqa: E402
 from retropipe.training.pipeline.param_groups import parameter_groups, restore_group_settings  # noqa: E402
 from retropipe.training.pipeline.stage_boundary import at_boundary, class_at_boundary, unpack_boundary  # noqa: E402
 from retropipe.training.pipeline.stage_plan import StagePlan, stage_plan  # noqa: E402
@@ -291,7 +292,13 @@ class Pipeline:
 
     # -- checkpoints: DeepSpeed's per-layer weights and per-rank optimizer partitions --
     def save(self, ckpt_dir: Path, tag: str, step: int) -> None:
+        """DeepSpeed's checkpoint (this shape's), and the same state whole by parameter (any shape's)."""
         self.engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": step}, save_latest=False)
+        save_elastic(self.engine, Path(ckpt_dir) / tag, self.dp_rank, self.stage)
+
+    def load_elastic(self, ckpt_dir: Path, tag: str, step: int) -> None:
+        """A checkpoint written by another number of replicas or stages (elastic_state.py)."""
+        load_elastic(self.engine, Path(ckpt_dir) / tag, step)
 
     def load(self, ckpt_dir: Path, tag: str) -> None:
         """Weights, optimizer state and the schedule's position from a checkpoint (this run's or,

@@ -79,6 +79,12 @@ PRIVATE_NAMES = (
     # -- the torch optimizer inside DeepSpeed's (torch_optimizer) --
     PrivateName(_BF16, "optimizer", "sets", "the torch optimizer whose groups' settings a checkpoint load restores"),
     PrivateName(_ZERO, "optimizer", "sets", "the same inside the ZeRO-1 optimizer (fp32)"),
+    # -- an elastic resume (link_optimizer_state; training/pipeline/elastic_state.py) --
+    *(PrivateName(owner, "_lazy_init_hp_params_optimizer_state", "attr", "links AdamW's state, created after "
+                  "the first step, to each parameter's fragment (safe_get/set_full_optimizer_state go through it)")
+      for owner in (_BF16, _ZERO)),
+    *(PrivateName(owner, "_hp_optimizer_states_linked", "sets", "whether that link was made: cleared to link "
+                  "again (see link_optimizer_state)") for owner in (_BF16, _ZERO)),
     # -- this rank's place in the grid (parallel_ranks, pipe_group) --
     PrivateName(_ENGINE, "grid", "sets", "the pipeline/data-parallel grid of the engine"),
     *(PrivateName(_GRID, name, "attr", "this rank's place in the grid, and the group of its replica's stages")
@@ -230,6 +236,15 @@ def pipe_group(engine) -> tuple[int, object]:
 def torch_optimizer(engine):
     """The torch optimizer inside DeepSpeed's ZeRO or bf16 optimizer (the engine's own without one)."""
     return getattr(engine.optimizer, "optimizer", engine.optimizer)
+
+
+def link_optimizer_state(optimizer) -> None:
+    """Link the torch optimizer's state to the parameters' fragments, as DeepSpeed's ZeRO-1 and bf16
+    optimizers do after their first step. Linked again each time: ZeRO-1 links every group once,
+    right after stepping the first group only, so the later groups' fragments (our no-decay group)
+    stay linked to nothing."""
+    optimizer._hp_optimizer_states_linked = False
+    optimizer._lazy_init_hp_params_optimizer_state()
 
 
 # What the one-call add reads and writes on DeepSpeed's BF16_Optimizer (0.15 to 0.19).

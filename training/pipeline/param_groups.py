@@ -28,6 +28,11 @@ import torch.nn as nn
 GROUPS = ("decay", "no_decay")
 
 
+def placeholder_name(group: str) -> str:
+    """The parameter registered for a group that would be empty: always zero, never trained."""
+    return f"empty_{group}_group"
+
+
 def decays(name: str, param: torch.Tensor) -> bool:
     return param.dim() >= 2 and not name.endswith("position_bias")
 
@@ -43,7 +48,7 @@ def parameter_groups(module: nn.Module, weight_decay: float) -> list[dict]:
     for name in GROUPS:
         if not members[name]:
             placeholder = nn.Parameter(torch.zeros(1))
-            module.register_parameter(f"empty_{name}_group", placeholder)
+            module.register_parameter(placeholder_name(name), placeholder)
             members[name] = [placeholder]
         groups.append({"name": name, "params": members[name], "weight_decay": weight_decay if name == "decay" else 0.0})
     return groups

@@ -14,7 +14,10 @@ class TrainConfig:
     # Keys that change how a run is watched and kept, not what it computes: a rerun with other
     # values resumes the same run (training/run/run_dir.py; data/stage.py output_settings).
     RUNTIME_KEYS: ClassVar[tuple[str, ...]] = ("name", "eval_every", "eval_batches", "checkpoint_every",
-                                               "keep_checkpoints", "dist_timeout", "preempt_grace")
+                                               "keep_checkpoints", "dist_timeout", "preempt_grace",
+                                               # how the model is cut and spread: a checkpoint resumes
+                                               # on any of them (training/run/start.py)
+                                               "pipeline_stages", "partition")
     # What dist_timeout 0 stands for. GPU: torch's own NCCL default, room for a large model's
     # checkpoint write on network storage. CPU: the models a CPU trains write a checkpoint in
     # seconds and send a micro-batch in well under a minute.
@@ -64,6 +67,10 @@ class TrainConfig:
     # RETRO small 1.19x the tokens/s (docs/benchmarks.md).
     compile: bool = False
     # Checkpoint every N steps and at the end; keep the newest K.
+    # Sequences an optimizer step trains on. 0: micro_batch_size × micro_batches × the data-parallel
+    # replicas of the job; set, micro_batches follows from the replicas (it must divide). A resumed
+    # run keeps its checkpoint's global batch on any number of replicas (training/run/start.py).
+    global_batch: int = 0
     checkpoint_every: int = 100
     keep_checkpoints: int = 2
     # Validation loss every N steps (0 = only at the end) over at most eval_batches micro-batches.
@@ -122,6 +129,8 @@ class TrainConfig:
                 "train.distractor_neighbours", "train.self_neighbours, diverging_neighbours and distractor_neighbours "
                 "add up to more than 1")
         require(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
+        require(self.global_batch >= 0, "train.global_batch", f"must be >= 0 (0: micro-batches × replicas), "
+                f"got {self.global_batch}")
         require(self.eval_every >= 0 and self.eval_batches >= 1, "train.eval_every", "eval_every >= 0, eval_batches >= 1")
         require(self.activation_checkpoint_interval >= 0, "train.activation_checkpoint_interval", "must be >= 0")
         require(not (self.init_from and self.branch_from), "train.branch_from",

@@ -7,7 +7,8 @@ A run directory `<workdir>/runs/<name>/` holds:
     metrics.jsonl        one line per step (loss, lr, grad_norm, tokens_per_s, mfu) and per validation
     deepspeed_config.json  the DeepSpeed config as DeepSpeed got it (generated + train.deepspeed)
     tensorboard/         the same scalars, and the config as text and hyperparameters (metrics_log.py)
-    checkpoints/stepNNNNNN/   DeepSpeed's per-layer checkpoint + rng_rankNNN.pt + state.json
+    checkpoints/stepNNNNNN/   DeepSpeed's per-layer checkpoint + rng_rankNNN.pt + state.json (the step,
+                         and the shape and global batch that wrote it) + elastic/ (any shape's)
     checkpoints/latest.json   the newest complete checkpoint (written last, atomically)
     model/               the exported model (config.json + model.safetensors), when done
     summary.json         written last: the run is complete
@@ -31,6 +32,9 @@ from retropipe.training.models.config import BEFORE_THE_FIELD, RETRIEVING_KINDS
 from retropipe.training.run import TrainingError
 
 STATE_FILE, LATEST, RULES_FILE = "state.json", "latest.json", "rules.json"
+# In a checkpoint: the state whole by parameter, which any cluster shape resumes from
+# (training/pipeline/elastic_state.py).
+ELASTIC_DIR = "elastic"
 
 
 # --- which run a directory holds ---------------------------------------------------------------

@@ -25,6 +25,7 @@ raised on every rank alike, before any work.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +35,7 @@ import yaml
 from retropipe.data.errors import ConfigError
 from retropipe.data.stage import read_json
 from retropipe.training.run import TrainingError
-from retropipe.training.run.run_dir import LATEST, STATE_FILE, checkpoint_tag, latest_checkpoint
+from retropipe.training.run.run_dir import ELASTIC_DIR, LATEST, STATE_FILE, checkpoint_tag, latest_checkpoint
 
 
 @dataclass
@@ -43,6 +44,8 @@ class Start:
     step: int = 0                # the step the loaded checkpoint finished
     ckpt_dir: Path | None = None  # its checkpoints directory and tag (resume, branch)
     tag: str = ""
+    elastic: bool = False        # written by another cluster shape: resumed from its elastic/ state
+    global_batch: int = 0        # sequences a step, as the checkpoint trained (0: not recorded)
 
 
 def check_init_from(path: str, model) -> None:
@@ -115,21 +118,48 @@ def check_branch(cfg, run_dir: Path, world_size: int, parts: list[int]) -> Start
     return Start("branch", step, ckpt_dir, tag)
 
 
-def check_world_shape(checkpoint: Path, stored_parts: list[int] | None, world_size: int, parts: list[int]) -> None:
-    """A checkpoint resumes on the world that wrote it: DeepSpeed partitions the optimizer state
-    (ZeRO-1) over the data-parallel replicas and the pipeline stages, and reads it back only in
-    the same shape. A TrainingError that says which shape to start, before DeepSpeed fails inside."""
+def resume_from(checkpoint: Path, step: int, stored_parts: list[int] | None, world_size: int,
+                parts: list[int]) -> Start:
+    """A resume from `checkpoint`: DeepSpeed's own load where this job has the shape that wrote it
+    (processes and stages; DeepSpeed partitions the optimizer state by them), else the checkpoint's
+    elastic/ state (training/pipeline/elastic_state.py); a TrainingError where it has none."""
     state = read_json(checkpoint / STATE_FILE) or {}
     # Checkpoints written before state.json recorded the shape: one RNG file per process.
     processes = state.get("processes") or len(list(checkpoint.glob("rng_rank*.pt")))
     stages = state.get("pipeline_stages") or (len(stored_parts) - 1 if stored_parts else len(parts) - 1)
-    if (processes, stages) != (world_size, len(parts) - 1):
-        def shape(world: int, s: int) -> str:
-            return f"{world} processes ({s} pipeline stages × {world // max(s, 1)} data-parallel replicas)"
-        raise TrainingError(f"{checkpoint} was written by {shape(processes, stages)}; this job has "
-                            f"{shape(world_size, len(parts) - 1)}. DeepSpeed partitions the optimizer state by that "
-                            f"shape, so a run resumes only on the same one: start {processes} processes with "
-                            f"train.pipeline_stages={stages} (docs/cluster.md, \"Resuming on another cluster shape\")")
+    start = Start("resume", step, checkpoint.parent, checkpoint.name, global_batch=state.get("global_batch", 0))
+    if (processes, stages) == (world_size, len(parts) - 1):
+        return start
+    if (checkpoint / ELASTIC_DIR).is_dir():
+        start.elastic = True
+        return start
+
+    def shape(world: int, s: int) -> str:
+        return f"{world} processes ({s} pipeline stages × {world // max(s, 1)} data-parallel replicas)"
+    raise TrainingError(f"{checkpoint} was written by {shape(processes, stages)} and holds no {ELASTIC_DIR}/ state "
+                        f"(an older RetroPipe's checkpoint); this job has {shape(world_size, len(parts) - 1)}. "
+                        f"Resume it on {processes} processes with train.pipeline_stages={stages} once; its next "
+                        "checkpoint resumes on any shape")
+
+
+def keep_global_batch(train, world_size: int, start: Start):
+    """train with the micro-batches that make a step train on the global batch: train.global_batch,
+    or on a resume the checkpoint's (then train.global_batch, if set, must be the same); unchanged
+    where neither is set (micro_batch_size × micro_batches × replicas). A ConfigError where the
+    replicas cannot split it into micro-batches of train.micro_batch_size."""
+    if start.global_batch and train.global_batch and start.global_batch != train.global_batch:
+        raise ConfigError("train.global_batch", f"{train.global_batch}, but the run being resumed trains on "
+                          f"{start.global_batch} sequences a step ({start.ckpt_dir / start.tag})")
+    wanted = train.global_batch or start.global_batch
+    if not wanted:
+        return train
+    replicas = world_size // train.pipeline_stages
+    per_micro_batch = train.micro_batch_size * replicas
+    if wanted % per_micro_batch:
+        raise ConfigError("train.global_batch", f"{wanted} sequences a step do not split into micro-batches of "
+                          f"{train.micro_batch_size} (train.micro_batch_size) over {replicas} data-parallel "
+                          f"replicas; run on a number of replicas that divides {wanted // train.micro_batch_size}")
+    return dataclasses.replace(train, micro_batches=wanted // per_micro_batch, global_batch=wanted)
 
 
 def plan_start(cfg, run_dir: Path, world_size: int, parts: list[int]) -> Start:
@@ -150,8 +180,7 @@ def plan_start(cfg, run_dir: Path, world_size: int, parts: list[int]) -> Start:
             raise TrainingError(f"{run_dir}'s checkpoints hold a model of {stored[-1]} pipeline layers, but this "
                                 f"RetroPipe builds {parts[-1]} for the same config (its layer list changed since): "
                                 "they cannot be resumed; start a new run (train.name)")
-        check_world_shape(run_dir / "checkpoints" / latest["tag"], stored, world_size, parts)
-        return Start("resume", step, run_dir / "checkpoints", latest["tag"])
+        return resume_from(run_dir / "checkpoints" / latest["tag"], step, stored, world_size, parts)
     if summary is not None:
         raise TrainingError(f"{run_dir} finished {summary.get('steps')} steps but holds no checkpoint to continue "
                             "from; start a new run (train.name) instead")

@@ -109,8 +109,13 @@ class Trainer:
         start = self.start
         if start.kind not in ("resume", "branch"):
             return 0
-        self.pipe.load(start.ckpt_dir, start.tag)
-        set_rng_state(torch.load(start.ckpt_dir / start.tag / f"rng_rank{self.rank:03d}.pt", weights_only=True))
+        rank = self.rank
+        if start.elastic:  # written by another cluster shape: its RNG files are other ranks' (dropout only)
+            self.pipe.load_elastic(start.ckpt_dir, start.tag, start.step)
+            rank %= len(list((start.ckpt_dir / start.tag).glob("rng_rank*.pt")))
+        else:
+            self.pipe.load(start.ckpt_dir, start.tag)
+        set_rng_state(torch.load(start.ckpt_dir / start.tag / f"rng_rank{rank:03d}.pt", weights_only=True))
         return start.step
 
     def save(self, step: int) -> None:
@@ -124,7 +129,8 @@ class Trainer:
         dist.barrier()  # every rank's files are on disk before the checkpoint is declared complete
         if self.rank == 0:
             declare_checkpoint(self.ckpt_dir, step, self.t.keep_checkpoints,
-                               {"processes": self.world, "pipeline_stages": self.t.pipeline_stages})
+                               {"processes": self.world, "pipeline_stages": self.t.pipeline_stages,
+                                "global_batch": self.t.micro_batch_size * self.t.micro_batches * self.pipe.dp_world})
         dist.barrier()
 
     # -- validation --
