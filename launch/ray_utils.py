@@ -25,6 +25,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
+from retropipe.data.errors import ConfigError, DataError
 from retropipe.data.stage import write_json
 
 
@@ -129,13 +130,17 @@ class RayExecutor:
             pending.append(remote.remote(fn, *args))
             if len(pending) >= max_in_flight:
                 ready, pending = ray.wait(pending, num_returns=1)
-                yield self._result(ray.get(ready[0]))
+                yield self._result(ray, fn, ready[0])
         while pending:
             ready, pending = ray.wait(pending, num_returns=1)
-            yield self._result(ray.get(ready[0]))
+            yield self._result(ray, fn, ready[0])
 
-    def _result(self, placed):
-        node, result = placed
+    def _result(self, ray, fn: Callable, ref):
+        """A finished task's result; its failure as the error it raised, without Ray's traceback."""
+        try:
+            node, result = ray.get(ref)
+        except ray.exceptions.RayTaskError as e:
+            raise task_failure(fn, e.cause) from None
         self.placements[node] += 1
         return result
 
@@ -145,6 +150,16 @@ class RayExecutor:
 
             ray.shutdown()
             self.started = False
+
+
+def task_failure(fn: Callable, cause: BaseException) -> Exception:
+    """What a failed Ray task tells the user: RetroPipe's own error as it is (it names the file or
+    key); anything else as a DataError naming the task, the cause and the likely fix."""
+    if isinstance(cause, (ConfigError, DataError)):
+        return cause
+    hint = ("; is the workdir on storage every Ray node mounts at the same path? (docs/cluster.md)"
+            if isinstance(cause, OSError) else "")
+    return DataError(f"a Ray task ({getattr(fn, '__name__', fn)}) failed: {type(cause).__name__}: {cause}{hint}")
 
 
 def record_work(stage_dir, **placements: Counter) -> dict | None:

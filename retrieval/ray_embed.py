@@ -21,6 +21,7 @@ from typing import Iterator
 import numpy as np
 
 from retropipe.data.chunking import SPLITS
+from retropipe.data.errors import ConfigError, DataError, StageError, TokenizerError
 from retropipe.retrieval import RetrievalError
 from retropipe.retrieval.embed_job import EmbedJob, EmbedSpec
 
@@ -86,16 +87,21 @@ def node_cpus(ray) -> list[int]:
     return [int(n["Resources"].get("CPU", 0)) for n in ray.nodes() if n.get("Alive")]
 
 
+# RetroPipe's own errors an actor's constructor may raise: the model cannot be loaded on that node,
+# or its chunk stores are not there (a node without the shared mount). Not a lost worker.
+REFUSALS = (RetrievalError, StageError, TokenizerError, DataError, ConfigError)
+
+
 def init_refusal(error: Exception) -> str | None:
-    """The message of the RetrievalError an actor's constructor raised (the model it was given
-    cannot be loaded there, say), or None when the actor died of something else.
+    """The message of the RetroPipe error (REFUSALS) an actor's constructor raised, or None when
+    the actor died of something else.
 
     Ray hands the driver an ActorDiedError whose message holds the constructor's traceback, not
-    the RetrievalError itself; its last line is that error's own."""
+    the error itself; its last line is that error's own."""
     if not getattr(error, "actor_init_failed", False):
         return None
-    marker = f"{RetrievalError.__module__}.{RetrievalError.__name__}: "
-    lines = [line.split(marker, 1)[1] for line in str(error).splitlines() if marker in line]
+    markers = [f"{cls.__module__}.{cls.__qualname__}: " for cls in REFUSALS]
+    lines = [line.split(m, 1)[1] for line in str(error).splitlines() for m in markers if m in line]
     return lines[-1].strip() if lines else None
 
 

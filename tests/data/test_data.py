@@ -117,6 +117,15 @@ def test_one_and_two_ray_workers_give_identical_bytes(tmp_path):
     finally:
         executor.close()
     assert fingerprints[0] == fingerprints[1]
+    # A failed task reaches the user as one line, not Ray's traceback: RetroPipe's own error as it
+    # is, anything else named with its task and, for a file error, the shared-storage hint.
+    from retropipe.data.store import ChunkStore
+
+    with pytest.raises(DataError, match=r"^no prepared data at /nowhere/data \(missing .*manifest.json\)"):
+        list(executor(ChunkStore, [("/nowhere/data",)], 1))
+    with pytest.raises(DataError, match=r"^a Ray task \(open\) failed: FileNotFoundError: .*/nowhere/x.*every Ray node mounts"):
+        list(executor(open, [("/nowhere/x",)], 1))
+    executor.close()
     for path in (tmp_path / "w1").rglob("*.arrow"):
         assert path.read_bytes() == (tmp_path / "w2" / path.relative_to(tmp_path / "w1")).read_bytes()
 

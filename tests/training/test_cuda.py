@@ -172,3 +172,19 @@ def test_micro_batches_reach_the_gpu_without_a_host_sync():
         assert torch.equal(got.cpu(), want)
     on_cpu = onto_device((tokens, labels), torch.device("cpu"))
     assert on_cpu[0] is tokens and on_cpu[1] is labels
+
+
+def test_a_process_shown_one_gpu_trains_on_it_whatever_its_local_rank(tmp_path):
+    """Slurm's --gpus-per-task and Kubernetes show each process only its own GPU: LOCAL_RANK 3 with
+    one visible GPU trains on cuda:0 (DeepSpeed alone would ask for cuda:3)."""
+    from retropipe.launch.config import load_config
+    from tests.corpora import build_workdir
+    from tests.distributed import train
+    from tests.launch.test_training import TINY
+
+    sets = [f"workdir={tmp_path}", *TINY, "data.max_documents=100", "train.steps=2", "train.pipeline_stages=1"]
+    build_workdir(load_config("configs/tiny-gpt2.yaml", sets))
+    args = ["--config", "configs/tiny-gpt2.yaml", *[a for s in sets for a in ("--set", s)]]
+    code, log = train(1, args, tmp_path / "logs", env={"DS_ACCELERATOR": "cuda", "CUDA_VISIBLE_DEVICES": "0"},
+                      rank_env={0: {"LOCAL_RANK": "3"}})
+    assert code == 0 and "train: done" in log, log[-3000:]

@@ -337,3 +337,14 @@ def test_a_file_another_node_writes_is_seen_once_it_appears_within_the_wait(tmp_
     assert not sees_file(marker, 0.2)
     threading.Timer(0.5, lambda: (marker.parent.mkdir(), marker.write_text("node0"))).start()
     assert sees_file(marker, 5)
+
+
+@pytest.mark.parametrize("timeout", [10, 60, 300, 600, 1800])
+def test_collectives_time_out_only_after_the_watchdog_names_a_lost_rank(timeout):
+    """NCCL aborts the process when a collective times out: the watchdog must get there first. A
+    healthy wait lasts under train.dist_timeout, so a peer lost while this rank waits is named at
+    most a timeout of silence and a beat after a wait that had lasted under a timeout."""
+    from retropipe.training.run.cluster import collective_timeout, interval_for
+
+    named_by = timeout + timeout + interval_for(timeout)
+    assert named_by < collective_timeout(timeout) < 3 * timeout + 30

@@ -24,6 +24,7 @@ gradients) is a function of training/pipeline/deepspeed_private.py, which lists 
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import copy
 import datetime
@@ -55,8 +56,9 @@ from retropipe.training.pipeline.elastic_state import load_elastic, save_elastic
 from retropipe.training.pipeline.param_groups import parameter_groups, restore_group_settings  # noqa: E402
 from retropipe.training.pipeline.stage_boundary import at_boundary, class_at_boundary, unpack_boundary  # noqa: E402
 from retropipe.training.pipeline.stage_plan import StagePlan, stage_plan  # noqa: E402
-from retropipe.training.run.cluster import set_collective_timeout  # noqa: E402
+from retropipe.training.run.cluster import collective_timeout, set_collective_timeout  # noqa: E402
 from retropipe.training.run.config import TrainConfig  # noqa: E402
+from retropipe.training.run.hardware import local_gpu  # noqa: E402
 
 private.skip_shm_comm_build()  # gloo's allreduce on CPU, not a C++ build of DeepSpeed's (~90 s)
 
@@ -192,10 +194,16 @@ def init_distributed(join_timeout: float) -> None:
     starts them); collectives get train.dist_timeout once DeepSpeed made its groups (Pipeline)."""
     quiet_logs()
     if torch.cuda.is_available():  # this rank's own GPU before any collective (NCCL uses the current one)
-        from retropipe.training.run.hardware import local_gpu
         torch.cuda.set_device(local_gpu())
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
                                timeout=datetime.timedelta(seconds=join_timeout))
+
+
+def device_args():
+    """deepspeed.initialize's `args` on GPUs: this rank's GPU as `device_rank`. DeepSpeed takes
+    cuda:LOCAL_RANK otherwise, which does not exist where a scheduler shows each process only its
+    own GPU (Slurm's --gpus-per-task, Kubernetes): LOCAL_RANK 3 of a node, one GPU visible."""
+    return argparse.Namespace(device_rank=local_gpu()) if torch.cuda.is_available() else None
 
 
 def shutdown() -> None:
@@ -242,12 +250,13 @@ class Pipeline:
         # The same two AdamW groups on every stage (training/pipeline/param_groups.py says why).
         groups = parameter_groups(module, train.weight_decay)
         with _quiet_prints():
-            self.engine, *_ = deepspeed.initialize(model=module, model_parameters=groups,
+            self.engine, *_ = deepspeed.initialize(model=module, model_parameters=groups, args=device_args(),
                                                    config=copy.deepcopy(self.plan.deepspeed))
         private.no_gradient_for_frozen_tied_weights(module)
         add_grads_in_one_call(self.engine)
         self.compiled = compile_blocks(module, self.descs) if train.compile else []
-        set_collective_timeout(train.resolved_dist_timeout("cuda" if torch.cuda.is_available() else "cpu"))
+        set_collective_timeout(collective_timeout(train.resolved_dist_timeout("cuda" if torch.cuda.is_available()
+                                                                              else "cpu")))
         self.dp_rank, self.dp_world, self.stage = private.parallel_ranks(self.engine)
         self.first, self.last = self.engine.is_first_stage(), self.engine.is_last_stage()
         self.device = torch.device(self.engine.device)  # where this stage computes (its GPU, or the CPU)

@@ -105,6 +105,15 @@ def set_collective_timeout(seconds: float) -> int:
     return len(groups)
 
 
+def collective_timeout(timeout: float) -> float:
+    """The process groups' collective timeout for a watchdog of `timeout`: late enough that the
+    watchdog names a lost rank first. A healthy wait lasts under `timeout` (train.dist_timeout's
+    contract), so a peer lost during a collective is named at most 2 × timeout + a beat after the
+    collective began. NCCL aborts the whole process when a collective times out (torch's own
+    watchdog thread, SIGABRT), before the line naming the lost rank could be printed."""
+    return 2 * timeout + 2 * interval_for(timeout) + 10
+
+
 def interval_for(timeout: float) -> float:
     """Seconds between beats: several beats per timeout, at most 5 s."""
     return min(5.0, max(timeout / 5, 0.5))

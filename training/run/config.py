@@ -97,8 +97,8 @@ class TrainConfig:
     branch_from: str = ""
     seed: int = 1234
     # Seconds a rank may go without a sign of another before the whole job ends (every process
-    # exits non-zero, naming the lost rank: training/run/cluster.py); also the process group's
-    # collective timeout. Longer than any wait of a healthy run: a checkpoint write, a validation
+    # exits non-zero, naming the lost rank: training/run/cluster.py); collectives time out after
+    # about twice it (collective_timeout). Longer than any wait of a healthy run: a checkpoint write, a validation
     # pass, the slowest stage's micro-batches. 0 = AUTO_DIST_TIMEOUT (GPU 600 s, CPU 300 s).
     dist_timeout: float = 0.0
     # Seconds from a scheduler's SIGTERM or SIGUSR1 until every process is gone: the ranks finish
