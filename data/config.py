@@ -45,8 +45,9 @@ class DataConfig:
     # Documents per work unit (one output shard per split); fixes shard boundaries, so the
     # output does not depend on the number of workers.
     docs_per_shard: int = 512
-    # Ray workers tokenizing in parallel (one CPU each).
-    num_workers: int = 2
+    # Ray tasks tokenizing at once (one CPU each); 0 = as many as the Ray cluster has CPUs (a local
+    # Ray: this machine's cores).
+    num_workers: int = 0
     # "error": stop at the first malformed record, naming file and line; "skip": count and go on.
     on_bad_record: str = "error"
     # Keep only the first N documents (0 = all): for quick experiments on big corpora.
@@ -65,7 +66,7 @@ class DataConfig:
         require(0.0 <= self.validation_fraction <= 1.0, "data.validation_fraction",
                 f"must be in [0, 1], got {self.validation_fraction}")
         require(self.docs_per_shard >= 1, "data.docs_per_shard", "must be >= 1")
-        require(self.num_workers >= 1, "data.num_workers", "must be >= 1")
+        require(self.num_workers >= 0, "data.num_workers", "must be >= 0 (0: every CPU of the Ray cluster)")
         require(self.on_bad_record in ("error", "skip"), "data.on_bad_record",
                 f"must be 'error' or 'skip', got {self.on_bad_record!r}")
         require(self.max_documents >= 0, "data.max_documents", "must be >= 0")

@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     executor = None
     try:
         cfg = config_from_args(args)
-        executor = RayExecutor(args.address, num_cpus=cfg.data.num_workers)
+        executor = RayExecutor(args.address, num_cpus=cfg.data.num_workers or None)
         manifest = prepare(cfg.data, cfg.data_dir, executor=executor, progress=not args.no_progress)
         save_config(cfg, cfg.data_dir)
         work = record_work(cfg.data_dir, tasks=executor.placements)

@@ -119,7 +119,8 @@ class RayExecutor:
         """Run fn(*args) for every args in jobs with at most max_in_flight tasks at once.
 
         Tasks are retried by Ray if a worker dies (max_retries); results come back in
-        completion order, and jobs is consumed lazily so the input streams.
+        completion order, and jobs is consumed lazily so the input streams. max_in_flight 0: one
+        task per CPU of the cluster.
         """
         ray = None
         pending = []
@@ -127,6 +128,8 @@ class RayExecutor:
             if ray is None:
                 ray = self.ensure_started()
                 remote = ray.remote(num_cpus=1, max_retries=3)(_placed)
+                # 0: as many as the cluster has CPUs (data.num_workers 0)
+                max_in_flight = max_in_flight or max(1, int(ray.cluster_resources().get("CPU", 1)))
             pending.append(remote.remote(fn, *args))
             if len(pending) >= max_in_flight:
                 ready, pending = ray.wait(pending, num_returns=1)

@@ -1,8 +1,9 @@
 """Every training recipe the README and configs document, on 2 pipeline stages, in fp32 and bf16.
 
-Recipes: the GPT-2 baseline, RETRO, RETRO from the baseline's weights (`train.init_from`),
+Recipes: the GPT-2 baseline, RETRO, RETRO from the baseline's weights (`train.init_from`; in bf16
+also on one stage),
 RETRO-fit with a frozen trunk (`configs/tiny-retrofit.yaml`), a finished run extended
-(`train.steps` raised) and a branch (`train.branch_from`), these two in bf16 (fp32's have their own
+(`train.steps` raised, on two stages and on one) and a branch (`train.branch_from`), these in bf16 (fp32's have their own
 tests in tests/launch/test_training.py; the branch with DeepSpeed's own bf16 gradient accumulation).
 Each trains 2 steps (the extension and the branch one more) with real DeepSpeed on 2 CPU
 processes; each asserts its first loss
@@ -12,6 +13,7 @@ the branch's must be equal, both continuing the same checkpoint.
 """
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -44,13 +46,14 @@ def config(workdir, name: str, precision: str, *overrides: str):
                                                  *overrides])
 
 
-def run(workdir, name: str, precision: str, run_name: str, *overrides: str) -> dict[int, float]:
-    """Train on 2 processes (2 stages); the run's losses. Asserts it completed with the tied copies equal."""
+def run(workdir, name: str, precision: str, run_name: str, *overrides: str, stages: int = 2) -> dict[int, float]:
+    """Train on `stages` processes (as many stages); the run's losses. Asserts it completed with the
+    tied copies equal."""
     sets = [a for o in [*COMMON, f"train.precision={precision}", f"workdir={workdir}", f"train.name={run_name}",
-                        *overrides] for a in ("--set", o)]
-    code, log = train(2, ["--config", f"configs/{name}", *sets], workdir / f"logs-{run_name}")
+                        f"train.pipeline_stages={stages}", *overrides] for a in ("--set", o)]
+    code, log = train(stages, ["--config", f"configs/{name}", *sets], workdir / f"logs-{run_name}")
     assert code == 0, log[-3000:]
-    assert "pipeline: 2 stages × 1 data parallel" in log, log[-2000:]
+    assert f"pipeline: {stages} stages × 1 data parallel" in log, log[-2000:]
     # bf16 on a CPU that emulates it trains, and says how slowly (CI's CPU may have bf16 or not)
     assert ("train: warning: train.precision is bf16" in log) == (precision == "bf16" and not cpu_has_bf16()), log
     summary = json.loads((workdir / "runs" / run_name / "summary.json").read_text())
@@ -109,8 +112,11 @@ def test_every_documented_recipe_trains_on_two_stages(recipe_workdir, precision)
         (f"warm-{precision}", "tiny-retro.yaml", [f"train.init_from={baseline}"], baseline),
         (f"retrofit-{precision}", "tiny-retrofit.yaml", [f"train.init_from={baseline}"], baseline),
     ]
+    if precision == "bf16":  # one stage: the whole model in one process, warm-started
+        recipes.append((f"warm-one-stage-{precision}", "tiny-retro.yaml", [f"train.init_from={baseline}"], baseline))
     for name, cfg_file, overrides, warm in recipes:
-        curve = run(wd, cfg_file, precision, name, *overrides)
+        stages = 1 if "one-stage" in name else 2
+        curve = run(wd, cfg_file, precision, name, *overrides, stages=stages)
         assert sorted(curve) == [1, 2], (name, curve)
         expected = first_loss(config(wd, cfg_file, precision, f"train.name={name}", *overrides), warm)
         assert abs(curve[1] - expected) < tol, (name, curve[1], expected)
@@ -122,7 +128,11 @@ def test_every_documented_recipe_trains_on_two_stages(recipe_workdir, precision)
     # The branch adds its bf16 gradients to the fp32 ones by DeepSpeed's hook per parameter, where
     # training adds them in one call after each backward (training/pipeline/bf16_grads.py): the same
     # sums, so step 3's gradient norm too is the extension's, bit for bit.
+    shutil.copytree(wd / "runs" / gpt2, wd / "runs" / f"{gpt2}-one-stage")
     extended = run(wd, "tiny-gpt2.yaml", precision, gpt2, "train.steps=3")
+    # The same extension on one stage: its 2-stage checkpoint resumes from the elastic state.
+    one_stage = run(wd, "tiny-gpt2.yaml", precision, f"{gpt2}-one-stage", "train.steps=3", stages=1)
+    assert sorted(one_stage) == [1, 2, 3] and abs(one_stage[3] - extended[3]) < 1e-3, (one_stage, extended)
     branch = run(wd, "tiny-gpt2.yaml", precision, f"branch-{precision}", "train.steps=3",
                  f"train.branch_from={wd / 'runs' / gpt2 / 'checkpoints' / 'step000002'}",
                  "train.deepspeed={bf16: {immediate_grad_update: true}}")
