@@ -135,6 +135,8 @@ def open_stage(stage_dir: Path, inputs: dict) -> dict | None:
 # after its n-th work unit of <stage> is on disk. A crash at a known point, instead of a test racing
 # the clock to kill the process mid-run.
 KILL_AFTER_ENV = "RETROPIPE_KILL_AFTER"
+# The same for a whole Ray node (its raylet), read by the Ray adapters: RETROPIPE_KILL_NODE_AFTER=<unit>:<n>.
+KILL_NODE_ENV = "RETROPIPE_KILL_NODE_AFTER"
 
 
 def fault_point(stage: str, units_done: int) -> None:

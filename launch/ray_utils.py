@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 from collections import Counter
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from retropipe.data.errors import ConfigError, DataError
-from retropipe.data.stage import write_json
+from retropipe.data.stage import KILL_NODE_ENV, write_json
 
 
 class ClusterError(RuntimeError):
@@ -75,11 +76,21 @@ def check_reachable(address: str) -> None:
                            f"(`ray status --address {resolved}`)") from None
 
 
+_TASKS_RUN: Counter = Counter()   # by function, in this worker process: the node-loss tests' count
+
+
 def _placed(fn: Callable, *args):
     """fn(*args) in a Ray task, with the id of the node that ran it."""
     import ray  # local: Ray (module docstring)
 
-    return ray.get_runtime_context().get_node_id(), fn(*args)
+    result = fn(*args)
+    _TASKS_RUN[fn.__name__] += 1
+    # Tests of losing a node: RETROPIPE_KILL_NODE_AFTER=<function>:N (in one node's environment)
+    # kills this node's raylet, with every worker on it, once a worker there has run N tasks of
+    # <function>, its output written but not yet delivered (as retrieval/ray_embed.py does for embed:N).
+    if os.environ.get(KILL_NODE_ENV) == f"{fn.__name__}:{_TASKS_RUN[fn.__name__]}":
+        os.kill(os.getppid(), signal.SIGKILL)
+    return ray.get_runtime_context().get_node_id(), result
 
 
 class RayExecutor:
@@ -127,7 +138,9 @@ class RayExecutor:
         for args in jobs:
             if ray is None:
                 ray = self.ensure_started()
-                remote = ray.remote(num_cpus=1, max_retries=3)(_placed)
+                # SPREAD, as Ray Data spreads its reads: short tasks would otherwise stay on the
+                # driver's node, whose CPU frees up before the scheduler looks elsewhere.
+                remote = ray.remote(num_cpus=1, max_retries=3, scheduling_strategy="SPREAD")(_placed)
                 # 0: as many as the cluster has CPUs (data.num_workers 0)
                 max_in_flight = max_in_flight or max(1, int(ray.cluster_resources().get("CPU", 1)))
             pending.append(remote.remote(fn, *args))

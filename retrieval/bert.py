@@ -34,7 +34,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from retropipe.retrieval.embedder import pooling_modes
 
 # The modules (modules.json, by class name) computed here.
 LAYOUTS = (["Transformer", "Pooling"], ["Transformer", "Pooling", "Normalize"])
@@ -62,6 +61,24 @@ CONFIG_KEYS = {*BERT_DEFAULTS, "architectures", "model_type", "hidden_dropout_pr
                "_name_or_path", "classifier_dropout"}
 TOKENIZER_CONFIG_KEYS = {*TOKENIZER_DEFAULTS, *SPECIAL_TOKENS, "name_or_path", "do_basic_tokenize", "never_split",
                          "model_max_length", "clean_up_tokenization_spaces"}
+
+
+# The pooling modes of a sentence-transformers Pooling module's config: the legacy flags, one per
+# mode (named here as the newer format names them), and the newer `pooling_mode` (a name or a list
+# of names). Each mode adds a width's worth.
+LEGACY_POOLING_FLAGS = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
+                        "pooling_mode_max_tokens": "max", "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+                        "pooling_mode_weightedmean_tokens": "weightedmean", "pooling_mode_lasttoken": "lasttoken"}
+
+
+def pooling_modes(pooling: dict) -> list[str]:
+    """The modes a Pooling module's config.json names, in either format; a legacy flag this does
+    not know counts as a mode of its own name."""
+    modes = pooling.get("pooling_mode")
+    if modes is None:
+        return [LEGACY_POOLING_FLAGS.get(flag, flag) for flag, on in pooling.items()
+                if flag.startswith("pooling_mode_") and on]
+    return [modes] if isinstance(modes, str) else list(modes)
 
 
 def plain_bert_layout(path: Path) -> dict | None:

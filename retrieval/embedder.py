@@ -213,24 +213,6 @@ def embedding_dim(model) -> int:
     return int(method())
 
 
-# The pooling modes of a sentence-transformers Pooling module's config: the legacy flags, one per
-# mode (named here as the newer format names them), and the newer `pooling_mode` (a name or a list
-# of names). Each mode adds a width's worth.
-LEGACY_POOLING_FLAGS = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
-                        "pooling_mode_max_tokens": "max", "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
-                        "pooling_mode_weightedmean_tokens": "weightedmean", "pooling_mode_lasttoken": "lasttoken"}
-
-
-def pooling_modes(pooling: dict) -> list[str]:
-    """The modes a Pooling module's config.json names, in either format; a legacy flag this does
-    not know counts as a mode of its own name."""
-    modes = pooling.get("pooling_mode")
-    if modes is None:
-        return [LEGACY_POOLING_FLAGS.get(flag, flag) for flag, on in pooling.items()
-                if flag.startswith("pooling_mode_") and on]
-    return [modes] if isinstance(modes, str) else list(modes)
-
-
 def embedding_dim_from_files(path: Path) -> int | None:
     """The output width a sentence-transformers directory declares, read from its config files
     without loading it, or None where they do not say it plainly.
@@ -243,6 +225,8 @@ def embedding_dim_from_files(path: Path) -> int | None:
     width follows: a Transformer may put out another (a projection), and a Pooling's config says
     what it reads."""
     import json
+
+    from retropipe.retrieval.bert import LEGACY_POOLING_FLAGS, pooling_modes  # bert.py imports torch: only here
 
     def read(p: Path) -> dict:
         return json.loads(p.read_text())

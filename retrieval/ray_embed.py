@@ -22,10 +22,9 @@ import numpy as np
 
 from retropipe.data.chunking import SPLITS
 from retropipe.data.errors import ConfigError, DataError, StageError, TokenizerError
+from retropipe.data.stage import KILL_NODE_ENV
 from retropipe.retrieval import RetrievalError
 from retropipe.retrieval.embed_job import EmbedJob, EmbedSpec
-
-KILL_NODE_ENV = "RETROPIPE_KILL_NODE_AFTER"
 
 
 class EmbedChunks:

@@ -121,7 +121,7 @@ def test_folders_files_and_functions_stay_small():
 ERROR_HOMES = {
     "ConfigError": "data/errors.py", "DataError": "data/errors.py", "StageError": "data/errors.py",
     "TokenizerError": "data/errors.py", "RetrievalError": "retrieval/__init__.py",
-    "ModelFormatError": "training/models/io.py", "HFFormatError": "training/models/hf_interop.py",
+    "ModelFormatError": "training/models/__init__.py", "HFFormatError": "training/models/hf_interop.py",
     "TrainingError": "training/run/__init__.py", "ClusterError": "launch/ray_utils.py",
 }
 

@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 
 from retropipe.training.models.config import ModelConfig
 from retropipe.training.models.gpt2 import GPT2
-from retropipe.training.models.io import ModelFormatError
+from retropipe.training.models import ModelFormatError
 
 # Tokens of GPT-2's vocabulary (50,256 BPE merges and bytes + <|endoftext|>).
 GPT2_VOCAB = 50257

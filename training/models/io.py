@@ -23,14 +23,11 @@ import torch.nn as nn
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from retropipe.training.models import ModelFormatError
 from retropipe.training.models.registry import build_model
 from retropipe.training.models.config import BEFORE_THE_FIELD, ModelConfig
 from retropipe.training.models.gpt2 import GPT2
 from retropipe.training.models.retro import Retro, is_retrieval_parameter
-
-
-class ModelFormatError(ValueError):
-    """A model directory that is not a RetroPipe model, or whose weights do not match its config."""
 
 
 FORMAT = "retropipe-model/1"

@@ -4,9 +4,10 @@ DeepSpeed's public API (deepspeed.initialize, deepspeed.pipe's PipelineModule / 
 TiedLayerSpec, the engine's train_batch, eval_batch, save_checkpoint, load_checkpoint,
 deepspeed.utils.safe_get_full_fp32_param) has no way to cut the stages at given boundaries, to
 say which layers a stage holds, to broadcast tied weights again after a warm start, to add the
-bf16 optimizer's gradients in one call, or to keep DeepSpeed from building a C++ op. For those,
-the functions below reach into DeepSpeed's attributes and methods. deepspeed_engine.py and
-bf16_grads.py call these functions; nothing else of RetroPipe touches a private name.
+bf16 optimizer's gradients in one call, to link a resumed optimizer state to its parameters, or
+to keep DeepSpeed from building a C++ op. For those, the functions below reach into DeepSpeed's
+attributes and methods. deepspeed_engine.py, bf16_grads.py and elastic_state.py call these
+functions; nothing else of RetroPipe touches a private name.
 
 A DeepSpeed release may rename any of them without notice, so each is listed in PRIVATE_NAMES
 (where it lives, what we use it for) and `check_private_names()` (run when a Pipeline is built,
@@ -243,8 +244,9 @@ def link_optimizer_state(optimizer) -> None:
     optimizers do after their first step. Linked again each time: ZeRO-1 links every group once,
     right after stepping the first group only, so the later groups' fragments (our no-decay group)
     stay linked to nothing."""
-    optimizer._hp_optimizer_states_linked = False
-    optimizer._lazy_init_hp_params_optimizer_state()
+    if hasattr(optimizer, "_lazy_init_hp_params_optimizer_state"):  # none without ZeRO: nothing to link
+        optimizer._hp_optimizer_states_linked = False
+        optimizer._lazy_init_hp_params_optimizer_state()
 
 
 # What the one-call add reads and writes on DeepSpeed's BF16_Optimizer (0.15 to 0.19).

@@ -45,8 +45,7 @@ def save_elastic(engine, checkpoint_dir: Path, dp_rank: int, stage: int) -> None
     tensors = {}
     private.link_optimizer_state(engine.optimizer)
     for name, param in trainable(engine):
-        whole = {"fp32": safe_get_full_fp32_param(param),
-                 **{key: safe_get_full_optimizer_state(param, key) for key in MOMENTS}}
+        whole = {key: get_whole(engine, param, key) for key in ("fp32", *MOMENTS)}
         if dp_rank == 0:
             tensors.update({f"{name}/{key}": t.detach().float().cpu().contiguous() for key, t in whole.items()})
     if dp_rank == 0:
@@ -55,6 +54,27 @@ def save_elastic(engine, checkpoint_dir: Path, dp_rank: int, stage: int) -> None
         path = folder / f"stage-{stage:02d}.safetensors"
         save_file(tensors, str(path) + ".tmp")
         Path(str(path) + ".tmp").replace(path)
+
+
+def get_whole(engine, param, key: str) -> torch.Tensor:
+    """The fp32 master ("fp32") or an AdamW moment of `param`, whole. Without ZeRO (stage 0, fp32)
+    the parameter is its own master and torch's optimizer holds its moments whole."""
+    whole = safe_get_full_fp32_param(param) if key == "fp32" else safe_get_full_optimizer_state(param, key)
+    if whole is None:
+        whole = param if key == "fp32" else private.torch_optimizer(engine).state[param][key]
+    return whole
+
+
+def set_whole(engine, param, key: str, value: torch.Tensor) -> None:
+    """get_whole's inverse, on this rank's partition of it."""
+    if private.torch_optimizer(engine) is engine.optimizer:  # no ZeRO: the tensors themselves
+        target = param if key == "fp32" else private.torch_optimizer(engine).state[param][key]
+        with torch.no_grad():
+            target.copy_(value.to(target.dtype))
+    elif key == "fp32":
+        safe_set_full_fp32_param(param, value)
+    else:
+        safe_set_full_optimizer_state(param, value, key)
 
 
 def has_elastic(checkpoint_dir: Path) -> bool:
@@ -82,9 +102,8 @@ def load_elastic(engine, checkpoint_dir: Path, step: int) -> None:
                             "written for another model; resume on the shape that wrote the checkpoint")
     create_optimizer_state(engine, step)
     for name, param in params:
-        safe_set_full_fp32_param(param, tensors[f"{name}/fp32"].to(param.device))
-        for key in MOMENTS:
-            safe_set_full_optimizer_state(param, tensors[f"{name}/{key}"].to(param.device), key)
+        for key in ("fp32", *MOMENTS):
+            set_whole(engine, param, key, tensors[f"{name}/{key}"].to(param.device))
     engine.lr_scheduler.step(last_batch_iteration=step - 1)   # the lr of step + 1, as a resumed run has it
     engine.global_steps, engine.global_samples = step, step * engine.train_batch_size()
 
