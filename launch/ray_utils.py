@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
 from collections import Counter
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from retropipe.data.errors import ConfigError, DataError
-from retropipe.data.stage import KILL_NODE_ENV, write_json
+from retropipe.data.stage import write_json
 
 
 class ClusterError(RuntimeError):
@@ -76,21 +75,11 @@ def check_reachable(address: str) -> None:
                            f"(`ray status --address {resolved}`)") from None
 
 
-_TASKS_RUN: Counter = Counter()   # by function, in this worker process: the node-loss tests' count
-
-
 def _placed(fn: Callable, *args):
     """fn(*args) in a Ray task, with the id of the node that ran it."""
     import ray  # local: Ray (module docstring)
 
-    result = fn(*args)
-    _TASKS_RUN[fn.__name__] += 1
-    # Tests of losing a node: RETROPIPE_KILL_NODE_AFTER=<function>:N (in one node's environment)
-    # kills this node's raylet, with every worker on it, once a worker there has run N tasks of
-    # <function>, its output written but not yet delivered (as retrieval/ray_embed.py does for embed:N).
-    if os.environ.get(KILL_NODE_ENV) == f"{fn.__name__}:{_TASKS_RUN[fn.__name__]}":
-        os.kill(os.getppid(), signal.SIGKILL)
-    return ray.get_runtime_context().get_node_id(), result
+    return ray.get_runtime_context().get_node_id(), fn(*args)
 
 
 class RayExecutor:

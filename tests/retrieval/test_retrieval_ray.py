@@ -152,6 +152,46 @@ def test_killed_ray_actor_is_retried_without_corrupting_output(built, tmp_path, 
                 np.testing.assert_allclose(ours.astype(np.float32), theirs.astype(np.float32), atol=2e-3)
 
 
+# An actor whose node lacks the shared mount: its constructor raises RetroPipe's DataError.
+REFUSED_DRIVER = """
+import sys, time
+from pathlib import Path
+from retropipe.data.errors import DataError
+from retropipe.data.store import ChunkStore
+from retropipe.launch.ray_utils import RayExecutor
+from retropipe.retrieval import RetrievalError
+from retropipe.retrieval.embed_job import embed_stores
+from retropipe.retrieval.ray_embed import EmbedChunks, RayEmbedRunner
+
+address, data_dir, out = sys.argv[1:4]
+
+class WithoutTheMount(EmbedChunks):
+    def __init__(self, *args, **kwargs):
+        raise DataError(f"no prepared data at {data_dir} on this node (missing manifest.json)")
+
+executor = RayExecutor(address=address)
+begun = time.time()
+try:
+    runner = RayEmbedRunner(executor, actors=1, udf=WithoutTheMount, log=print)
+    embed_stores([(ChunkStore(data_dir), Path(out))], "", 8, runner, precision="fp32")
+except RetrievalError as e:
+    print(f"REFUSED after {time.time() - begun:.0f} s: {e}")
+finally:
+    executor.close()
+"""
+
+
+def test_an_actor_refused_by_a_node_without_the_data_is_one_line_not_a_retry(built, tmp_path, ray_head):
+    """RetroPipe's own error in an actor's constructor (here: the chunk store missing on its node)
+    ends the embedding with that error; it is not taken for a lost worker and retried."""
+    proc = subprocess.run(["python", "-c", REFUSED_DRIVER, ray_head[0], str(built[0] / "data"),
+                           str(tmp_path / "embeddings")], cwd=ROOT, env=ray_head[2], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "REFUSED" in proc.stdout and "on this node (missing manifest.json)" in proc.stdout, proc.stdout[-3000:]
+    assert "retrying" not in proc.stdout, proc.stdout[-3000:]
+
+
 JOB_SETTINGS = [f"data.chunk_len={CHUNK_LEN}", "train.seq_len=32", "retrieval.embed_batch_size=8",
                 "retrieval.recall_queries=10", "retrieval.train_sample=0", "retrieval.k=2", "eval.more_neighbours=0"]
 
