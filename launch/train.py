@@ -146,8 +146,9 @@ def main(argv: list[str] | None = None) -> int:
         start = plan_start(cfg, run_dir, world, plan.parts)  # fresh, resume (or extend), branch, complete
         claim_run_dir(cfg, run_dir, write=rank == 0)
         # On a resume, the checkpoint's global batch (config.yaml keeps the micro-batches as set).
-        cfg.train = keep_global_batch(cfg.train, world, start)
-        plan = dataclasses.replace(plan, deepspeed=deepspeed_config(cfg.train))
+        train = keep_global_batch(cfg.train, world, start)
+        if train != cfg.train:  # other micro-batches: DeepSpeed's accumulation steps follow
+            cfg.train, plan = train, dataclasses.replace(plan, deepspeed=deepspeed_config(train))
     except (ConfigError, DataError, TrainingError) as e:
         report_start_error(rank, str(e))
         return 2
