@@ -14,7 +14,8 @@ module's weights from DeepSpeed's per-layer files (they name layers, not stages)
 own partitions from these files with `safe_set_full_*`; Adam's step count, the schedule's position
 and the engine's counters follow from the checkpoint's step (no step is skipped in fp32 or bf16).
 
-The one private DeepSpeed name this needs is reached through training/pipeline/deepspeed_private.py.
+The private DeepSpeed names this needs (the wrapped torch optimizer, the link of its state to the
+parameters) are reached through training/pipeline/deepspeed_private.py.
 """
 
 from __future__ import annotations
@@ -75,10 +76,6 @@ def set_whole(engine, param, key: str, value: torch.Tensor) -> None:
         safe_set_full_fp32_param(param, value)
     else:
         safe_set_full_optimizer_state(param, value, key)
-
-
-def has_elastic(checkpoint_dir: Path) -> bool:
-    return any((Path(checkpoint_dir) / FOLDER).glob("stage-*.safetensors"))
 
 
 def read_elastic(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
