@@ -18,13 +18,16 @@ launch/build_index.py (a bigger one, say) instead of <workdir>/retrieval: no ret
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
 from retropipe.data.cpu import cpu_has_bf16, emulated_bf16
+from retropipe.data.database_reader import DATABASE_FILE
 from retropipe.data.errors import ConfigError, DataError
 from retropipe.data.stage import fingerprint, path_tag, read_json, sha256_file, write_json
 from retropipe.data.store import ChunkStore
@@ -33,10 +36,15 @@ from retropipe.launch.cli import config_from_args, entry_parser, quiet_engines, 
 from retropipe.launch.config import save_config
 from retropipe.launch.report import how_trained, table, write_report
 from retropipe.retrieval.heldout import evaluation_neighbours, prepare_heldout
-from retropipe.training.evaluation.report_rows import evaluate_models
+from retropipe.retrieval.index import faiss_module
+from retropipe.training.evaluation.report_rows import RivalInputs, evaluate_models
 from retropipe.training.evaluation.scoring import token_byte_lengths
 from retropipe.training.models.io import load_model
 from retropipe.training.run.hardware import gpu_has_bf16
+
+
+# Keys up to which the kNN-LM's datastore is searched exactly.
+EXACT_KEYS = 200_000
 
 
 def model_dir_of(path: Path) -> Path:
@@ -64,7 +72,7 @@ def evaluate(cfg, checkpoints: list[Path], split: str, out: Path, corpus: str | 
     models = [(p.name if p.name != "model" else p.parent.name, load_model(model_dir_of(p), device=device))
               for p in checkpoints]
     neighbours, curve = None, []
-    if any(m.cfg.retrieves for _, m in models):
+    if any(m.cfg.retrieves for _, m in models) or rivals_can_read(cfg, models, database):
         neighbours, curve = evaluation_neighbours(cfg, store, split, out, database, device)
     inputs = evaluation_inputs(cfg, models, checkpoints, store, split, neighbours, curve)
     done = read_json(out / "report.json")
@@ -80,6 +88,36 @@ def evaluate(cfg, checkpoints: list[Path], split: str, out: Path, corpus: str | 
     save_config(cfg, out)
     write_json(out / "report.json", report)  # last: the report is complete
     return report
+
+
+def rivals_can_read(cfg, models: list, database: Path) -> bool:
+    """Whether the rivals (eval.rivals) have a GPT-2 to read with and a database to read from; a
+    GPT-2 evaluated alone before any database is built is scored without them (and told so)."""
+    if not cfg.eval.rivals or all(m.cfg.retrieves for _, m in models):
+        return False
+    if not (database / DATABASE_FILE).exists():
+        print(f"evaluate: eval.rivals skipped: no retrieval database at {database} (build it: "
+              f"python launch/build_index.py --config ...)", file=sys.stderr)
+        return False
+    return True
+
+
+def knn_datastore_index(keys: np.ndarray):
+    """The kNN-LM datastore's FAISS index over keys (N, d) → search(queries, n) -> (D, I): exact up
+    to EXACT_KEYS keys, else IVF with √N lists in fp16 (kNN-LM's own is IVF-PQ), probing 32."""
+    faiss = faiss_module()
+    n, d = keys.shape
+    if n <= EXACT_KEYS:
+        index = faiss.IndexFlatL2(d)
+    else:
+        nlist = 2 ** round(math.log2(math.sqrt(n)))
+        index = faiss.index_factory(d, f"IVF{nlist},SQfp16")
+        sample = np.sort(np.random.default_rng(0).choice(n, size=min(n, 40 * nlist), replace=False))
+        index.train(keys[sample].astype(np.float32))
+        faiss.extract_index_ivf(index).nprobe = 32
+    for start in range(0, n, 65536):  # fp32 a block at a time: the keys stay fp16 in memory
+        index.add(keys[start:start + 65536].astype(np.float32))
+    return lambda queries, fetch: index.search(queries, fetch)
 
 
 def evaluation_store(cfg, split: str, out: Path, corpus: str | None, progress: bool) -> tuple[ChunkStore, str]:
@@ -114,8 +152,9 @@ def score(cfg, models: list, checkpoints: list[Path], store: ChunkStore, split: 
     trained = {name: how_trained(p, model.cfg.kind) for (name, model), p in zip(models, checkpoints)}  # before scoring
     chunks = store.split(split)
     bar = (lambda name: lambda xs: tqdm(xs, desc=f"eval {name}", leave=False, dynamic_ncols=True)) if progress else None
+    rivals = RivalInputs(store.text_hashes(split), knn_datastore_index)
     report = evaluate_models(models, chunks, token_byte_lengths(get_tokenizer(store.manifest["tokenizer"])), cfg.eval,
-                             neighbours, curve, progress=bar, device=device)
+                             neighbours, curve, progress=bar, device=device, rivals=rivals)
     return report, trained
 
 

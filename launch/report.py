@@ -24,6 +24,17 @@ def _vs_off(report: dict, row: dict) -> str:
     return f"{(row['bits_per_byte'] / off['bits_per_byte'] - 1):+.2%}"
 
 
+def against_rivals(report: dict) -> list[str]:
+    """One line per RETRO[ON] row: its bits per byte against the best rival that needs no training."""
+    rivals = [r for r in report["rows"] if " in-context " in r["model"] or r["model"].endswith(" kNN-LM")]
+    if not rivals:
+        return []
+    best = min(rivals, key=lambda r: r["bits_per_byte"])
+    return [f"{r['model']}: {r['bits_per_byte'] / best['bits_per_byte']:.3f}× the best rival that needs no "
+            f"training ({best['model']}, {best['bits_per_byte']:.4f})"
+            for r in report["rows"] if "RETRO[ON]" in r["model"]]
+
+
 def how_trained(checkpoint: Path, kind: str) -> str | None:
     """One line on how a checkpoint's model (of `kind`) was trained, from its run's config.yaml;
     None where there is no such file, or it is not a training run's config of this model.
@@ -75,6 +86,7 @@ def table(report: dict) -> str:
     lines = [f"{'model':<44}{'bits/byte':>11}{'vs OFF':>9}{'ppl':>10}", "-" * 74]
     for row in report["rows"]:
         lines.append(f"{row['model']:<44}{row['bits_per_byte']:>11.4f}{_vs_off(report, row):>9}{row['perplexity']:>10.2f}")
+    lines += against_rivals(report)
     alpha = report.get("alpha")
     if alpha:
         lines.append("by α slice (bits/byte; each chunk in one slice):")
@@ -112,6 +124,13 @@ def _results_section(report: dict) -> list[str]:
           "| model | bits/byte | vs RETRO[OFF] | perplexity | tokens | bytes |", "|---|---|---|---|---|---|"]
     md += [f"| {r['model']} | {r['bits_per_byte']:.4f} | {_vs_off(report, r) or '–'} | {r['perplexity']:.2f} | "
            f"{r['tokens']:,} | {r['bytes']:,} |" for r in rows]
+    if against_rivals(report):
+        md += ["", "The rivals read the same neighbours with the baseline and no training: in-context puts the "
+               "neighbours of the chunk before before its text (In-Context RALM), kNN-LM interpolates it with a "
+               "nearest-neighbour distribution over the database's tokens (λ, k, T chosen on the training split: "
+               + ", ".join(f"λ {v['lambda']}, k {v['k']}, T {v['temperature']:.3g}"
+                           for v in (report.get("knn_lm") or {}).values()) + ")."]
+        md += ["", *[f"- {line}" for line in against_rivals(report)]]
     trained = report.get("trained") or {}
     if any(trained.values()):
         md += ["", "How each model was trained:", ""] + [f"- {name}: {line}" for name, line in trained.items() if line]

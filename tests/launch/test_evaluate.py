@@ -263,11 +263,13 @@ def test_evaluate_writes_every_report_file(evaluated, capsys):
                  "--checkpoint", str(root / "runs" / "retro")]) == 0
     out = root / "reports"
     report = json.loads((out / "report.json").read_text())
-    assert [r["model"] for r in report["rows"]] == ["gpt2 (baseline)", "retro RETRO[ON] k=2", "retro RETRO[OFF]",
-                                                    "retro RETRO[SHUFFLED]"]
-    assert all(r["bits_per_byte"] > 0 and r["tokens"] > 0 for r in report["rows"])
+    assert [r["model"] for r in report["rows"]] == ["gpt2 (baseline)", "gpt2 in-context k=1", "gpt2 kNN-LM",
+                                                    "retro RETRO[ON] k=2", "retro RETRO[OFF]", "retro RETRO[SHUFFLED]"]
+    assert all(r["bits_per_byte"] > 0 and r["tokens"] == report["rows"][0]["tokens"] for r in report["rows"])
     bpb = [r["bits_per_byte"] for r in report["rows"]]
-    assert bpb[1] != bpb[2] and bpb[3] != bpb[2] and bpb[3] != bpb[1]  # neighbours, and other neighbours, were used
+    assert bpb[3] != bpb[4] and bpb[5] != bpb[4] and bpb[5] != bpb[3]  # neighbours, and other neighbours, were used
+    assert bpb[1] != bpb[0] and bpb[2] != bpb[0]                       # the rivals read them too
+    assert set(report["knn_lm"]["gpt2 kNN-LM"]) == {"lambda", "k", "temperature", "datastore_entries"}
     everything = next(b for b in report["alpha"]["buckets"] if b["bucket"] == "α ≤ 100.0%")
     assert everything["chunks"] == report["chunks"] == len(ChunkStore(root / "data").split("validation"))
     for name in ("report.md", "loss_curves.png", "bpb.png", "bpb_by_alpha.png", "config.yaml"):

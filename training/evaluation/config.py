@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 from retropipe.data.config import require
 
 
+# The rivals a report can hold: each reads RETRO's neighbours with the baseline GPT-2, untrained.
+RIVALS = ("in_context", "knn_lm")
+
+
 @dataclass
 class EvalConfig:
     # Sliding window and stride in tokens, multiples of data.chunk_len (RETRO paper: 2048 / 1024).
@@ -26,6 +30,14 @@ class EvalConfig:
     # GPUs), else fp32; launch/evaluate.py resolves it. The demo's figures agree within 0.0002
     # bits per byte.
     precision: str = "auto"
+    # Rivals that read the same neighbours with the baseline GPT-2, no training, as rows beside
+    # RETRO's (training/evaluation/in_context.py, knn_lm.py): "in_context", "knn_lm"; [] = none.
+    rivals: list[str] = field(default_factory=list)
+    # Neighbours (each with its continuation) the in-context rival puts before its text; the rest
+    # of eval.window holds the text, in whole chunks.
+    in_context_neighbours: int = 1
+    # Chunks of the training split on which the kNN-LM's λ, k and temperature are chosen.
+    knn_lm_tune_chunks: int = 256
 
     def __post_init__(self):
         require(self.window >= 1 and 1 <= self.stride <= self.window, "eval.stride",
@@ -37,3 +49,7 @@ class EvalConfig:
                 f"fractions must lie in [0, 1], got {self.database_curve}")
         require(self.precision in ("auto", "bf16", "fp32"), "eval.precision",
                 f"must be 'auto', 'bf16' or 'fp32', got {self.precision!r}")
+        unknown = [r for r in self.rivals if r not in RIVALS]
+        require(not unknown, "eval.rivals", f"unknown rival(s) {unknown}; the rivals are {list(RIVALS)}")
+        require(self.in_context_neighbours >= 1, "eval.in_context_neighbours", "must be >= 1")
+        require(self.knn_lm_tune_chunks >= 1, "eval.knn_lm_tune_chunks", "must be >= 1")

@@ -49,6 +49,15 @@ def token_byte_lengths(encoding) -> np.ndarray:
     return lengths
 
 
+@dataclass
+class ScoredBatch:
+    """The targets one forward scores: each with the chunk it lies in and the hidden state that predicts it."""
+
+    chunk: np.ndarray       # (t,) int64 chunk id of each target
+    hidden: torch.Tensor    # (t, d) final hidden state (after ln_f) at the position before it
+    target: torch.Tensor    # (t,) int64 the target token
+
+
 @torch.no_grad()
 def score_split(model, chunks, byte_lengths: np.ndarray, window: int, stride: int, neighbours=None,
                 k: int = 0, batch_size: int = 4, device=None, progress=None,
@@ -60,6 +69,31 @@ def score_split(model, chunks, byte_lengths: np.ndarray, window: int, stride: in
     when the model is RETRO. `k` neighbours per chunk (0 = all stored). Inputs go to `device`
     (None = the model's); each batch's per-token NLL comes back to the CPU once, for numpy.
     """
+    c = min(len(chunks), max_chunks or len(chunks))
+    batches = scored_batches(model, chunks, window, stride, neighbours, k, batch_size, device, progress, max_chunks)
+    return accumulate(batches, head_nll(model), chunks, byte_lengths, c)
+
+
+def head_nll(model):
+    """ScoredBatch -> (t,) numpy NLL of its targets under the model's own head."""
+    buffers = SliceBuffers()  # the head's slice buffers, kept from batch to batch
+    return lambda b: token_nll(b.hidden, model.wte.weight, b.target, buffers=buffers).cpu().numpy()
+
+
+def accumulate(batches, nll_of, chunks, byte_lengths: np.ndarray, c: int) -> ChunkScores:
+    """Per-chunk sums of nll_of(batch) (t,) over the ScoredBatches of the first c chunks."""
+    nll = np.zeros(c)
+    count = np.zeros(c, dtype=np.int64)
+    for b in batches:
+        np.add.at(nll, b.chunk, nll_of(b))
+        np.add.at(count, b.chunk, 1)
+    return ChunkScores(nll, count, chunk_bytes(chunks, byte_lengths, c))
+
+
+@torch.no_grad()
+def scored_batches(model, chunks, window: int, stride: int, neighbours=None, k: int = 0, batch_size: int = 4,
+                   device=None, progress=None, max_chunks: int = 0):
+    """The sliding windows of score_split, a batch at a time: one ScoredBatch each (its kept targets)."""
     m = chunks.chunk_len
     device = device or next(model.parameters()).device
     if window % m or stride % m or stride > window:
@@ -68,11 +102,8 @@ def score_split(model, chunks, byte_lengths: np.ndarray, window: int, stride: in
     L, S, c = window // m, stride // m, min(len(chunks), max_chunks or len(chunks))
     scored_from = window_starts(c, L, S)  # window start → first chunk whose targets it scores
     starts = list(scored_from)
-    nll = np.zeros(c)
-    count = np.zeros(c, dtype=np.int64)
     retro = getattr(model, "cfg", None) is not None and model.cfg.retrieves
     batches = [starts[i:i + batch_size] for i in range(0, len(starts), batch_size)]
-    head_buffers = SliceBuffers()  # the head's slice buffers, kept from batch to batch
     for group in (progress(batches) if progress else batches):
         ids = np.stack([np.arange(s, s + L) for s in group])  # (b, L); windows never run past the end
         ids = np.minimum(ids, c - 1)
@@ -93,11 +124,7 @@ def score_split(model, chunks, byte_lengths: np.ndarray, window: int, stride: in
         # `stride` tokens, and the head is most of a small model's forward), slice by slice: the
         # logits of a whole batch are never held at once.
         kept = torch.from_numpy(keep).to(device)
-        target_nll = token_nll(h[:, :-1][kept], model.wte.weight, x[:, 1:][kept],
-                               buffers=head_buffers).cpu().numpy()                 # (kept,)
-        np.add.at(nll, target_chunk[keep], target_nll)
-        np.add.at(count, target_chunk[keep], 1)
-    return ChunkScores(nll, count, chunk_bytes(chunks, byte_lengths, c))
+        yield ScoredBatch(target_chunk[keep], h[:, :-1][kept], x[:, 1:][kept])
 
 
 def window_neighbours(neighbours, split: str, ids: np.ndarray, k: int, device) -> torch.Tensor:
