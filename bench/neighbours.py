@@ -36,6 +36,7 @@ from retropipe.retrieval.config import RetrievalConfig  # noqa: E402
 from retropipe.retrieval.database_parts import DatabaseVectors, PartSource, open_vectors, write_database  # noqa: E402
 from retropipe.retrieval.embed_job import Embeddings, embed_store, model_identity, resolve_model_path  # noqa: E402
 from retropipe.retrieval.index import build_index, load_index  # noqa: E402
+from retropipe.retrieval.methods.dense import DenseSearch  # noqa: E402
 from retropipe.retrieval.neighbour_search import query_neighbours  # noqa: E402
 
 
@@ -106,9 +107,9 @@ def main(argv=None) -> int:
                 inputs = {"bench": [factory, rerank, r], "embeddings_fingerprint": emb.fingerprint,
                           "index_fingerprint": factory}  # the keys its manifest copies
                 t0 = time.perf_counter()
-                results[(factory, rerank)] = query_neighbours(indexes[factory], emb, store, database, out, inputs,
-                                                              args.k, args.candidates, args.chunks_per_seq,
-                                                              vectors.rows if rerank else None)
+                search = DenseSearch(indexes[factory], emb, args.candidates, vectors.rows if rerank else None)
+                results[(factory, rerank)] = query_neighbours(search, store, database, out, inputs, args.k,
+                                                              args.candidates, args.chunks_per_seq)
                 rates.setdefault((factory, rerank), []).append(total / (time.perf_counter() - t0))
 
     print(f"\nload average at the end {os.getloadavg()[0]:.2f}; best of {args.rounds} rounds over {total:,} chunks")

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from retropipe.data.config import require
+from retropipe.retrieval.methods import METHODS
 
 
 @dataclass
@@ -14,6 +15,11 @@ class RetrievalConfig:
     RUNTIME_KEYS: ClassVar[tuple[str, ...]] = ("embed_batch_size", "embed_actors", "embed_device", "recall_queries",
                                                    "align_neighbours")
 
+    # How neighbours are found (retrieval/methods/): "dense" = nearest sentence embeddings in FAISS
+    # (RETRO's frozen-BERT retrieval); "bm25" = BM25 over each chunk's words (bm25s), no embedder
+    # loaded; "hybrid" = both candidate lists fused by reciprocal rank. Recorded in database.json:
+    # evaluation and generation search a database with its own method, whatever this key says.
+    method: str = "dense"
     # Further corpora in the database beside the training split (files, directories or globs, read
     # like data.corpus with the training data's tokenizer and chunk_len); [] = the training split only.
     corpora: list[str] = field(default_factory=list)
@@ -63,6 +69,8 @@ class RetrievalConfig:
     seed: int = 1234
 
     def __post_init__(self):
+        require(self.method in METHODS, "retrieval.method",
+                f"must be one of {', '.join(repr(m) for m in METHODS)}, got {self.method!r}")
         require(self.embed_batch_size >= 1, "retrieval.embed_batch_size", "must be >= 1")
         require(self.embed_actors >= 1, "retrieval.embed_actors", "must be >= 1")
         require(self.embed_device in ("auto", "cpu", "cuda"), "retrieval.embed_device",

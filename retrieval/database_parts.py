@@ -2,7 +2,7 @@
 
     parts = prepare_corpora(cfg.retrieval.corpora, cfg.data, store, retrieval_dir, executor)
     vectors = DatabaseVectors([(0, train_embeddings), (N0, corpus_embeddings), ...])
-    write_database(retrieval_dir, parts, embedder_identity)
+    write_database(retrieval_dir, parts, embedder_identity, cfg.retrieval.method)
 
 Part 0 is the training split of the training chunk store (`<workdir>/data`); every corpus of
 `retrieval.corpora` becomes a further part, prepared into `<retrieval_dir>/corpora/<name>/data`
@@ -109,22 +109,28 @@ def _relative(path: Path, root: Path) -> str:
     return os.path.relpath(Path(path).resolve(), Path(root).resolve())
 
 
-def write_database(root: Path, parts: list[PartSource], embedder: dict) -> dict:
-    """database.json: the parts (paths relative to root, and absolute), offsets, fingerprints."""
+def write_database(root: Path, parts: list[PartSource], embedder: dict | None, method: str = "dense") -> dict:
+    """database.json: the parts (paths relative to root, and absolute), offsets, fingerprints, and the
+    retrieval method (retrieval/methods/), which queries of this database use whatever their config
+    says. embedder: the embedder's identity; None for a method that embeds nothing (bm25: the parts
+    then record no embeddings directory)."""
     entries, offset = [], 0
     for part in parts:
         chunks = len(part.store.split("train"))
-        entries.append({"name": part.name, "data": _relative(part.store.root, root),
-                        "data_absolute": str(Path(part.store.root).resolve()),
-                        "embeddings": _relative(part.embeddings_dir, root),
-                        "embeddings_absolute": str(Path(part.embeddings_dir).resolve()), "fingerprint": part.store.fingerprint,
-                        "offset": offset, "chunks": chunks,
+        entry = {"name": part.name, "data": _relative(part.store.root, root),
+                 "data_absolute": str(Path(part.store.root).resolve())}
+        if embedder is not None:
+            entry.update(embeddings=_relative(part.embeddings_dir, root),
+                         embeddings_absolute=str(Path(part.embeddings_dir).resolve()))
+        entries.append({**entry, "fingerprint": part.store.fingerprint, "offset": offset, "chunks": chunks,
                         "tokens": part.store.manifest["splits"]["train"]["tokens"],
                         "documents": part.store.manifest["splits"]["train"]["documents"]})
         offset += chunks
     identity = {"version": DATABASE_VERSION, "parts": [[e["name"], e["fingerprint"]] for e in entries],
-                "embedder": embedder["sha256"]}
-    manifest = {"version": DATABASE_VERSION, "parts": entries, "chunks": offset,
+                "embedder": embedder["sha256"] if embedder is not None else None}
+    if method != "dense":  # a dense database keeps the fingerprint it had before methods existed
+        identity["method"] = method
+    manifest = {"version": DATABASE_VERSION, "method": method, "parts": entries, "chunks": offset,
                 "tokens": sum(e["tokens"] for e in entries), "embedder": embedder,
                 "fingerprint": fingerprint(identity)}
     write_json(Path(root) / DATABASE_FILE, manifest)

@@ -6,16 +6,17 @@
 
 The output is an ordinary neighbours directory (`<split>.npy` + manifest.json naming the query
 chunk store and the database, see retrieval/neighbour_search.py), read by `NeighbourStore` like the
-training data's. The query chunks are embedded with the database's embedder into
+training data's. The database is searched by its own method (database.json, retrieval/methods/).
+Where that embeds (dense, hybrid) the query chunks are embedded with the database's embedder into
 `<out_dir>/embeddings` on `device` (skipped when `query_emb` already holds them, e.g. the training data's
-validation split and a database embedded with the same model). Exclusion: a chunk never
+validation split and a database embedded with the same model); bm25 embeds nothing. Exclusion: a chunk never
 retrieves from a document with its own document's text (an exact copy of an evaluated document
 in the database is kept out and counted in the manifest); nothing else is excluded, and the
 leakage analysis (α) shows any near-copy.
 
 A *subset* of the database (`allowed` ids, `database_subset`) is searched inside the same index,
-exactly for a Flat index: the database-size curve evaluates one model against growing databases
-without building an index for each.
+exactly for a Flat index (and for BM25, which scores only those ids): the database-size curve
+evaluates one model against growing databases without building an index for each.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from retropipe.retrieval.config import RetrievalConfig
 from retropipe.retrieval.embed_job import (Embeddings, cached_embedder, embed_job, embed_store, resolve_embed_precision,
                                        serial_embed_runner)
 from retropipe.retrieval.embedder import query_precision
+from retropipe.retrieval.methods import embeds
 from retropipe.retrieval.neighbour_search import query_neighbours
 from retropipe.retrieval.query import Retriever
 
@@ -85,12 +87,10 @@ def embed_runner_on(device: str):
     return runner
 
 
-def split_neighbours(retriever: Retriever, store: ChunkStore, split: str, out_dir: Path, cfg: RetrievalConfig,
-                     query_emb: Embeddings | None = None, allowed: np.ndarray | None = None,
-                     progress=None, device: str = "cpu") -> NeighbourStore:
-    """Neighbours of every chunk of store's split in the retriever's database (cached in out_dir);
-    new query embeddings are computed on `device`."""
-    out_dir = Path(out_dir)
+def query_embeddings(retriever: Retriever, store: ChunkStore, out_dir: Path, cfg: RetrievalConfig,
+                     query_emb: Embeddings | None, device: str) -> Embeddings:
+    """The store's embeddings as the retriever's database embeds (query_emb where it is that), else
+    computed on `device` into <out_dir>/../embeddings."""
     # Embedded as the database was, or in fp32 where `device` would only emulate that (query_precision).
     precision = query_precision(retriever.database_precision, device)
     if (query_emb is None or query_emb.manifest.get("model_sha256") != retriever.embedder_identity["sha256"]
@@ -102,14 +102,27 @@ def split_neighbours(retriever: Retriever, store: ChunkStore, split: str, out_di
         query_emb = Embeddings(emb_dir, manifest)
     if query_emb.manifest.get("chunk_store_fingerprint") != store.fingerprint:
         raise DataError(f"{query_emb.dir}: embeddings of another chunk store than {store.root}")
+    return query_emb
+
+
+def split_neighbours(retriever: Retriever, store: ChunkStore, split: str, out_dir: Path, cfg: RetrievalConfig,
+                     query_emb: Embeddings | None = None, allowed: np.ndarray | None = None,
+                     progress=None, device: str = "cpu") -> NeighbourStore:
+    """Neighbours of every chunk of store's split in the retriever's database (cached in out_dir), by
+    that database's method (`retriever.method`); new query embeddings (a method that embeds) are
+    computed on `device`."""
     from retropipe.retrieval.build_database import neighbour_inputs
 
-    inputs = neighbour_inputs(cfg, retriever.database, store, retriever.index_manifest, None,
-                              query_embeddings=query_emb.fingerprint, split=split,
-                              allowed=None if allowed is None else fingerprint(allowed.tolist()))
-    query_neighbours(retriever.index_for(allowed), query_emb, store, retriever.database, out_dir, inputs, retriever.k,
-                     cfg.candidates, None, retriever.vectors.rows if retriever.rerank else None, splits=(split,),
-                     progress=progress, allowed=allowed)
+    out_dir = Path(out_dir)
+    extra = {}
+    if embeds(retriever.method):
+        query_emb = query_embeddings(retriever, store, out_dir, cfg, query_emb, device)
+        extra["query_embeddings"] = query_emb.fingerprint
+    inputs = neighbour_inputs(cfg, retriever.database, store, retriever.index_manifest, None, retriever.bm25_manifest,
+                              **extra, split=split, allowed=None if allowed is None else fingerprint(allowed.tolist()))
+    search = retriever.search_for(store, query_emb, allowed, fetch=cfg.candidates)
+    query_neighbours(search, store, retriever.database, out_dir, inputs, retriever.k, cfg.candidates, None,
+                     splits=(split,), progress=progress, method=retriever.method)
     return NeighbourStore(out_dir, store, reading=Reading.for_evaluation(cfg))
 
 

@@ -12,7 +12,8 @@ Fewer than k survivors are padded with -1 (never wrapped to some other chunk).
 Layout of `<retrieval_dir>/neighbours/` (and of any other neighbours directory):
     parts/<split>/shard-NNNNN.npy   per query shard (resume unit)
     <split>.npy                     (num_chunks, k) int64 database ids, -1 = missing
-    manifest.json                   chunk store, database, embeddings and index fingerprints; k; L; counts
+    manifest.json                   method; chunk store, database, embeddings and index fingerprints; k; L; counts
+Which candidates a query fetches is the method's (retrieval/methods/); the rules here are every method's.
 """
 
 from __future__ import annotations
@@ -106,13 +107,14 @@ def neighbour_quality(ids: np.ndarray, database: Database) -> dict:
             "without_continuation": int(no_continuation.sum())}
 
 
-def query_neighbours(index, query_emb, store: ChunkStore, database: Database, out_dir: Path, inputs: dict, k: int,
-                     candidates: int, chunks_per_seq: int | None, rows=None, splits=SPLITS, progress=None,
-                     allowed: np.ndarray | None = None) -> dict:
+def query_neighbours(search, store: ChunkStore, database: Database, out_dir: Path, inputs: dict, k: int,
+                     candidates: int, chunks_per_seq: int | None, splits=SPLITS, progress=None,
+                     method: str = "dense") -> dict:
     """Neighbours of every chunk of the splits of `store` (resumable per query shard); return the manifest.
 
-    query_emb: the store's retrieval.embed_job.Embeddings. chunks_per_seq applies the training-sequence
-    rule to the "train" split (None: own document only, e.g. a held-out corpus).
+    search: the method's search of this store (retrieval/methods/: `candidates(split, shards)`).
+    chunks_per_seq applies the training-sequence rule to the "train" split (None: own document only,
+    e.g. a held-out corpus). `candidates` and `method` are recorded in the manifest.
     """
     manifest = open_stage(out_dir, inputs)
     if manifest is not None:
@@ -123,29 +125,25 @@ def query_neighbours(index, query_emb, store: ChunkStore, database: Database, ou
         parts_dir.mkdir(parents=True, exist_ok=True)
         hashes = store.text_hashes(split)
         rule = chunks_per_seq if split == "train" else None
-        parts = []
-        for i, (first, x) in enumerate(query_emb.shards(split)):
-            part = parts_dir / f"shard-{i:05d}.npy"
-            parts.append(part)
-            if part.exists():
-                continue
-            if len(x):
-                ids = np.arange(first, first + len(x))
-                nbrs = find_neighbours(index, database, x, excluded_hashes(hashes, ids, rule), k, candidates,
-                                       rows, allowed)
-            else:
-                nbrs = np.zeros((0, k), np.int64)
-            save_npy(part, nbrs)
-            queried += len(x)
+        sizes = store.manifest["shard_chunks"][split]                 # query shards = the store's shards
+        starts = np.cumsum([0] + sizes)
+        parts = [parts_dir / f"shard-{i:05d}.npy" for i in range(len(sizes))]
+        todo = [(i, int(starts[i]), n) for i, n in enumerate(sizes) if not parts[i].exists()]
+        for i, _, _ in (t for t in todo if t[2] == 0):
+            save_npy(parts[i], np.zeros((0, k), np.int64))
+        for i, first, n, found in search.candidates(split, [t for t in todo if t[2]]):
+            excluded = excluded_hashes(hashes, np.arange(first, first + n), rule)
+            save_npy(parts[i], select_neighbours(found, database.text_hashes, database.positions, excluded, k))
+            queried += n
             if progress:
-                progress(len(x))
+                progress(n)
         final = out_dir / f"{split}.npy"
         whole = np.concatenate([load_npy(p, mmap=False) for p in parts]) if parts else np.zeros((0, k), np.int64)
         save_npy(final, whole)
         counts[split] = {**neighbour_quality(whole, database), "sha256": sha256_file(final),
                          "documents_with_copies_in_database": documents_with_copies(store, split, database)}
     seconds = time.perf_counter() - begin
-    manifest = {"version": MANIFEST_VERSION, "inputs": inputs, "k": k, "candidates": candidates,
+    manifest = {"version": MANIFEST_VERSION, "inputs": inputs, "method": method, "k": k, "candidates": candidates,
                 "chunks_per_seq": chunks_per_seq, "chunk_store_fingerprint": store.fingerprint,
                 "database": _relative(database.root, out_dir), "database_absolute": str(database.root.resolve()),
                 "database_fingerprint": database.fingerprint, "splits": counts,
