@@ -105,6 +105,25 @@ def shuffled_order(doc_index: np.ndarray, seed: int = SHUFFLE_SEED) -> np.ndarra
     return order
 
 
+def in_context_tokens(read: np.ndarray, text: np.ndarray) -> np.ndarray:
+    """What a GPT-2 reads when its neighbours go in its context (In-Context RALM, and the
+    in-context-trained GPT-2): read (k, r) the neighbours of the chunk before the scored one, best
+    first, -1 = missing; text (n,) the text ending with the scored chunk. The neighbours' present
+    tokens, the best one last (next to the text it continues), then the text: (≤ k·r + n,) int64."""
+    return np.concatenate([*(row[row >= 0] for row in read[::-1]), np.asarray(text, dtype=np.int64)])
+
+
+def in_context_text_chunks(window: int, chunk_len: int, k: int, key: str) -> int:
+    """T: the whole chunks of text a window of `window` tokens holds beside k neighbours of
+    2 · chunk_len tokens; at least 2 (the scored chunk and the one its neighbours were retrieved for)."""
+    T = (window - k * 2 * chunk_len) // chunk_len
+    if T < 2:
+        raise ValueError(f"{key} {k}: {k} neighbours of {2 * chunk_len} tokens leave {max(T, 0)} chunks of a "
+                         f"{window}-token window for the text; at least 2 are needed (the chunk scored and the "
+                         f"one its neighbours were retrieved for)")
+    return T
+
+
 @dataclass(frozen=True)
 class Reading:
     """How a chunk reads its neighbours (see the module docstring)."""

@@ -200,12 +200,14 @@ def _validate_across_sections(cfg: Config, source: str) -> None:
                               source)
     if cfg.eval.window > cfg.model.n_positions:
         raise ConfigError("eval.window", f"{cfg.eval.window} exceeds model.n_positions ({cfg.model.n_positions})", source)
-    for key in ("neighbours", "more_neighbours"):
+    for key in ("neighbours", "more_neighbours", "in_context_neighbours"):
         if getattr(cfg.eval, key) > cfg.retrieval.k:
             raise ConfigError(f"eval.{key}", f"{getattr(cfg.eval, key)} exceeds retrieval.k ({cfg.retrieval.k})", source)
     if cfg.model.retrieves and cfg.train.neighbours > cfg.retrieval.k:
         raise ConfigError("train.neighbours", f"{cfg.train.neighbours} exceeds retrieval.k "
                           f"({cfg.retrieval.k}), the neighbours stored per chunk", source)
+    if cfg.model.in_context > cfg.retrieval.k:
+        raise ConfigError("model.in_context", f"{cfg.model.in_context} exceeds retrieval.k ({cfg.retrieval.k})", source)
     if cfg.model.freeze_trunk and not cfg.train.init_from:
         raise ConfigError("model.freeze_trunk", "a RETRO-fit freezes a trained trunk: set train.init_from "
                           "to a GPT-2 checkpoint (ours or a Hugging Face directory)", source)

@@ -54,6 +54,8 @@ PROMPT = ("kluge /klooj/ [from the German ‘klug’, clever; poss. related to P
           "a hint, a main point)] 1. n. A Rube Goldberg (or Heath Robinson) device, whether in hardware or "
           "software. 2. n. A clever")
 EDITION_SEED = 7
+# The run directory of the GPT-2 trained with its neighbours in context (eval.rivals: in_context_trained).
+IN_CONTEXT_RUN = "gpt2-in-context"
 
 
 def demo_overrides(workdir: Path) -> list[str]:
@@ -89,7 +91,10 @@ def older_runs(config: str, plan: list[tuple[str, list[str]]]) -> str | None:
             + " to train again, or give the demo another --set workdir=...")
 
 
-def stages(config: str, corpus: str, overrides: list[str], nproc: int, workdir: Path) -> list[tuple[str, list[str]]]:
+def stages(config: str, corpus: str, overrides: list[str], nproc: int, workdir: Path,
+           in_context_trained: bool = False) -> list[tuple[str, list[str]]]:
+    """The demo's commands; in_context_trained (eval.rivals holds it): also a GPT-2 trained from the
+    baseline's weights with its neighbours in context (model.in_context), RETRO's steps and lessons."""
     sets = [a for o in overrides for a in ("--set", o)]
     py = sys.executable
     deepspeed = shutil.which("deepspeed", path=str(Path(py).parent)) or "deepspeed"
@@ -97,9 +102,9 @@ def stages(config: str, corpus: str, overrides: list[str], nproc: int, workdir: 
     # The launcher's own INFO lines (its environment, the world info) only with --verbose.
     launcher_log = [] if engines_verbose() else ["--log_level", "warning"]
 
-    def train(kind: str, *extra: str) -> list[str]:
+    def train(kind: str, *extra: str, name: str = "") -> list[str]:
         return [deepspeed, "--num_gpus", str(nproc), *launcher_log, "launch/train.py", "--config", config, *sets,
-                "--set", f"model.kind={kind}", "--set", f"train.name={kind}", *extra]
+                "--set", f"model.kind={kind}", "--set", f"train.name={name or kind}", *extra]
 
     def generate(kind: str) -> list[str]:
         return [py, "launch/generate.py", "--config", config, *sets, "--checkpoint", str(runs / kind),
@@ -113,8 +118,12 @@ def stages(config: str, corpus: str, overrides: list[str], nproc: int, workdir: 
         ("build the retrieval database", [py, "launch/build_index.py", "--config", config, *sets]),
         ("train the GPT-2 baseline", train("gpt2")),
         ("train RETRO from the baseline's weights", train("retro", "--set", f"train.init_from={runs / 'gpt2' / 'model'}")),
-        ("evaluate", [py, "launch/evaluate.py", "--config", config, *sets,
-                      "--checkpoint", str(runs / "gpt2"), "--checkpoint", str(runs / "retro")]),
+        *([("train GPT-2 with neighbours in context from the baseline's weights",
+            train("gpt2", "--set", "model.in_context=1", "--set", f"train.init_from={runs / 'gpt2' / 'model'}",
+                  name=IN_CONTEXT_RUN))] if in_context_trained else []),
+        ("evaluate", [py, "launch/evaluate.py", "--config", config, *sets, "--checkpoint", str(runs / "gpt2"),
+                      *(["--checkpoint", str(runs / IN_CONTEXT_RUN)] if in_context_trained else []),
+                      "--checkpoint", str(runs / "retro")]),
         ("generate (baseline)", generate("gpt2")),
         ("generate (RETRO)", generate("retro")),
     ]
@@ -140,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     overrides = [*demo_overrides(workdir), *args.overrides, f"workdir={workdir}"]
     config = str(Path(args.config).resolve())
     report = load_config(config, overrides).reports_dir / "report.md"
-    plan = stages(config, str(cfg.data.corpus), overrides, args.nproc, workdir)
+    plan = stages(config, str(cfg.data.corpus), overrides, args.nproc, workdir,
+                  "in_context_trained" in load_config(config, overrides).eval.rivals)
     older = older_runs(config, plan)
     if older:
         print(f"demo: error: {older}", file=sys.stderr)

@@ -72,7 +72,7 @@ def evaluate(cfg, checkpoints: list[Path], split: str, out: Path, corpus: str | 
     models = [(p.name if p.name != "model" else p.parent.name, load_model(model_dir_of(p), device=device))
               for p in checkpoints]
     neighbours, curve = None, []
-    if any(m.cfg.retrieves for _, m in models) or rivals_can_read(cfg, models, database):
+    if any(m.cfg.retrieves or m.cfg.in_context for _, m in models) or rivals_can_read(cfg, models, database):
         neighbours, curve = evaluation_neighbours(cfg, store, split, out, database, device)
     inputs = evaluation_inputs(cfg, models, checkpoints, store, split, neighbours, curve)
     done = read_json(out / "report.json")
@@ -93,7 +93,7 @@ def evaluate(cfg, checkpoints: list[Path], split: str, out: Path, corpus: str | 
 def rivals_can_read(cfg, models: list, database: Path) -> bool:
     """Whether the rivals (eval.rivals) have a GPT-2 to read with and a database to read from; a
     GPT-2 evaluated alone before any database is built is scored without them (and told so)."""
-    if not cfg.eval.rivals or all(m.cfg.retrieves for _, m in models):
+    if not cfg.eval.rivals or all(m.cfg.retrieves or m.cfg.in_context for _, m in models):
         return False
     if not (database / DATABASE_FILE).exists():
         print(f"evaluate: eval.rivals skipped: no retrieval database at {database} (build it: "

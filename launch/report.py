@@ -25,14 +25,19 @@ def _vs_off(report: dict, row: dict) -> str:
 
 
 def against_rivals(report: dict) -> list[str]:
-    """One line per RETRO[ON] row: its bits per byte against the best rival that needs no training."""
-    rivals = [r for r in report["rows"] if " in-context " in r["model"] or r["model"].endswith(" kNN-LM")]
-    if not rivals:
-        return []
-    best = min(rivals, key=lambda r: r["bits_per_byte"])
-    return [f"{r['model']}: {r['bits_per_byte'] / best['bits_per_byte']:.3f}× the best rival that needs no "
-            f"training ({best['model']}, {best['bits_per_byte']:.4f})"
-            for r in report["rows"] if "RETRO[ON]" in r["model"]]
+    """One line per RETRO[ON] row and rival kind: its bits per byte against the best rival that needs
+    no training (in-context, kNN-LM), and against the GPT-2 trained with its neighbours in context."""
+    rows = report["rows"]
+    kinds = (("the best rival that needs no training",
+              [r for r in rows if " in-context k=" in r["model"] or r["model"].endswith(" kNN-LM")]),
+             ("the GPT-2 trained with its neighbours in context", [r for r in rows if " in-context trained" in r["model"]]))
+    lines = []
+    for what, rivals in kinds:
+        if rivals:
+            best = min(rivals, key=lambda r: r["bits_per_byte"])
+            lines += [f"{r['model']}: {r['bits_per_byte'] / best['bits_per_byte']:.3f}× {what} ({best['model']}, "
+                      f"{best['bits_per_byte']:.4f})" for r in rows if "RETRO[ON]" in r["model"]]
+    return lines
 
 
 def how_trained(checkpoint: Path, kind: str) -> str | None:

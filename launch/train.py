@@ -106,7 +106,7 @@ def preflight(cfg, world_size: int):
         raise TrainingError(f"the training split holds {n_train} sequences of {t.seq_len} tokens, fewer than "
                             f"train.micro_batch_size ({t.micro_batch_size})")
     neighbours = None
-    if cfg.model.retrieves:
+    if cfg.model.retrieves or cfg.model.in_context:
         neighbours = NeighbourStore.of(cfg.retrieval_dir, store, chunks_per_seq=t.seq_len // store.chunk_len,
                                         reading=Reading.for_training(cfg.retrieval))
     return store, neighbours, plan

@@ -158,6 +158,23 @@ def test_demo_trains_retro_from_the_baseline_it_trains_first(tmp_path):
     assert Path(retro_cfg.train.init_from) == base_cfg.runs_dir / base_cfg.train.name / "model"
 
 
+def test_demo_trains_the_in_context_rival_only_when_asked(tmp_path):
+    """eval.rivals holding in_context_trained adds a GPT-2 that reads its neighbours in context,
+    from the baseline's weights, for RETRO's steps; the evaluation scores it beside the others."""
+    from retropipe.launch.config import load_config
+    from retropipe.launch.demo import IN_CONTEXT_RUN, stages
+
+    plain = stages("configs/tiny.yaml", "corpus/jargon_devil.jsonl.gz", [f"workdir={tmp_path}"], 2, tmp_path)
+    plan = dict(stages("configs/tiny.yaml", "corpus/jargon_devil.jsonl.gz", [f"workdir={tmp_path}"], 2, tmp_path,
+                       in_context_trained=True))
+    assert len(plan) == len(plain) + 1
+    cmd = plan["train GPT-2 with neighbours in context from the baseline's weights"]
+    cfg = load_config("configs/tiny.yaml", [cmd[i + 1] for i, a in enumerate(cmd) if a == "--set"])
+    assert cfg.model.kind == "gpt2" and cfg.model.in_context == 1 and cfg.train.name == IN_CONTEXT_RUN
+    assert Path(cfg.train.init_from) == cfg.runs_dir / "gpt2" / "model" and cfg.train.steps == 100
+    assert str(cfg.runs_dir / IN_CONTEXT_RUN) in plan["evaluate"]
+
+
 def test_demo_refuses_an_older_demos_runs_before_any_stage(tmp_path, capsys):
     """An older demo trained RETRO from scratch, or both models with another embedding start;
     training would refuse those run directories only when its stage comes, with a hint the demo

@@ -267,9 +267,7 @@ def test_evaluate_writes_every_report_file(evaluated, capsys):
                                                     "retro RETRO[ON] k=2", "retro RETRO[OFF]", "retro RETRO[SHUFFLED]"]
     assert all(r["bits_per_byte"] > 0 and r["tokens"] == report["rows"][0]["tokens"] for r in report["rows"])
     bpb = [r["bits_per_byte"] for r in report["rows"]]
-    assert bpb[3] != bpb[4] and bpb[5] != bpb[4] and bpb[5] != bpb[3]  # neighbours, and other neighbours, were used
-    assert bpb[1] != bpb[0] and bpb[2] != bpb[0]                       # the rivals read them too
-    assert set(report["knn_lm"]["gpt2 kNN-LM"]) == {"lambda", "k", "temperature", "datastore_entries"}
+    assert len(set(bpb[3:])) == 3 and bpb[1] != bpb[0] != bpb[2]  # RETRO and the rivals read the neighbours
     everything = next(b for b in report["alpha"]["buckets"] if b["bucket"] == "α ≤ 100.0%")
     assert everything["chunks"] == report["chunks"] == len(ChunkStore(root / "data").split("validation"))
     for name in ("report.md", "loss_curves.png", "bpb.png", "bpb_by_alpha.png", "config.yaml"):

@@ -86,3 +86,25 @@ def test_retrofit_trains_only_cca_and_encoder_on_two_stages(retro_workdir):
     # A random head on the last stage would start near ln(50257) = 10.8 instead.
     for step in one:
         assert abs(one[step] - two[step]) < 1e-4, (step, one[step], two[step])
+
+
+@pytest.mark.slow
+def test_a_gpt2_trains_and_is_scored_with_its_neighbours_in_context(retro_workdir):
+    """The in-context-trained rival (model.in_context): a GPT-2 on two stages whose sequences are
+    [a neighbour][the last two chunks], and its report row reads the neighbours the same way."""
+    from retropipe.launch.evaluate import main as evaluate
+    from retropipe.training.models.io import load_model
+
+    args = ["--config", "configs/tiny.yaml", *sets(f"workdir={retro_workdir}", "train.name=in-context",
+                                                      "model.in_context=1", "train.self_neighbours=0.5")]
+    code, log = train(2, args, retro_workdir / "logs-in-context")
+    assert code == 0, log[-3000:]
+    curve = losses(retro_workdir / "runs" / "in-context")
+    assert sorted(curve) == list(range(1, 9)) and curve[8] < curve[1] - 0.3, curve
+    assert load_model(retro_workdir / "runs" / "in-context" / "model").cfg.in_context == 1
+    out = retro_workdir / "in-context-report"
+    assert evaluate([*args, "--checkpoint", str(retro_workdir / "runs" / "in-context"), "--out", str(out),
+                     "--no-progress"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert [r["model"] for r in report["rows"]] == ["in-context in-context trained k=1"]
+    assert report["rows"][0]["tokens"] > 0 and report["alpha"] is not None

@@ -82,3 +82,43 @@ def test_labels_are_the_next_tokens_with_padding_masked(store):
 def test_a_sequence_length_that_is_not_whole_chunks_is_refused(store):
     with pytest.raises(ValueError, match="not a multiple of chunk_len 16"):
         SequenceBatches(store, "train", 40)
+
+
+class OwnNextChunk:
+    """A neighbour source: each chunk's neighbour is the next chunk and the one after (k = 1), the
+    last 3 tokens missing; what an in-context row must place, tokens left out where missing."""
+
+    def __init__(self, chunks):
+        self.chunks = chunks
+
+    def neighbour_tokens(self, split, ids, k):
+        nxt = np.minimum(ids + 1, len(self.chunks) - 2)
+        pair = np.concatenate([self.chunks.tokens(nxt.reshape(-1)), self.chunks.tokens(nxt.reshape(-1) + 1)], -1)
+        pair = pair.astype(np.int64).reshape(*ids.shape, 1, 2 * CHUNK)
+        pair[..., -3:] = -1
+        return pair
+
+
+def test_an_in_context_batch_reads_the_last_chunks_neighbours_before_its_text(store):
+    """model.in_context: the sequence's last chunk is the target, after its predecessor's
+    neighbours and the text that fits (5 chunks of 16: one neighbour of 32 tokens, 3 chunks)."""
+    chunks = store.split("train")
+    plain = SequenceBatches(store, "train", 5 * CHUNK)
+    data = SequenceBatches(store, "train", 5 * CHUNK, OwnNextChunk(chunks), in_context=1)
+    seq = np.arange(6)
+    batch, whole = data.batch(seq), plain.batch(seq)
+    assert set(batch) == {"tokens", "labels"} and batch["tokens"].shape == (6, 5 * CHUNK)
+    for s in seq:
+        ids = chunks.sequence_chunk_ids(np.array([s]), 5)[0]
+        read = OwnNextChunk(chunks).neighbour_tokens("train", ids[-2:-1], 1)[0, 0]
+        read = read[read >= 0]
+        text = whole["tokens"][s, 2 * CHUNK:]
+        n = len(read) + len(text)
+        assert batch["tokens"][s, :n].tolist() == read.tolist() + text.tolist()
+        assert (batch["tokens"][s, n:] == store.pad_id).all()
+        targets = batch["labels"][s] != IGNORE_INDEX
+        # Only the last chunk's real tokens are targets, predicted from the position before each.
+        assert batch["labels"][s, n - CHUNK - 1:n - 1].tolist() == whole["labels"][s, -CHUNK - 1:-1].tolist()
+        assert targets.sum() == (whole["labels"][s, -CHUNK - 1:-1] != IGNORE_INDEX).sum() > 0
+    with pytest.raises(ValueError, match="model.in_context"):
+        SequenceBatches(store, "train", 3 * CHUNK, OwnNextChunk(chunks), in_context=1)

@@ -8,7 +8,9 @@ from retropipe.data.config import require
 
 
 # The rivals a report can hold: each reads RETRO's neighbours with the baseline GPT-2, untrained.
-RIVALS = ("in_context", "knn_lm")
+# in_context_trained: a GPT-2 trained with its neighbours in context (model.in_context), which
+# launch/demo.py trains when asked; launch/evaluate.py scores any such checkpoint given to it.
+RIVALS = ("in_context", "knn_lm", "in_context_trained")
 
 
 @dataclass
@@ -30,8 +32,9 @@ class EvalConfig:
     # GPUs), else fp32; launch/evaluate.py resolves it. The demo's figures agree within 0.0002
     # bits per byte.
     precision: str = "auto"
-    # Rivals that read the same neighbours with the baseline GPT-2, no training, as rows beside
-    # RETRO's (training/evaluation/in_context.py, knn_lm.py): "in_context", "knn_lm"; [] = none.
+    # Rivals that read the same neighbours, as rows beside RETRO's: "in_context" and "knn_lm", the
+    # baseline GPT-2 with no training (training/evaluation/in_context.py, knn_lm.py), and
+    # "in_context_trained" (RIVALS above); [] = none.
     rivals: list[str] = field(default_factory=list)
     # Neighbours (each with its continuation) the in-context rival puts before its text; the rest
     # of eval.window holds the text, in whole chunks.

@@ -12,7 +12,8 @@ and only chunk u's tokens are targets. Chunk u − 1's neighbours are the ones R
 chunk u with (the chunked cross-attention's causal shift), read by the same rule (own document
 and copies excluded, lined up, filtered: data/reading.py), so the two rows differ only in how the
 model reads them. The best neighbour sits last, next to the text it continues; its missing tokens
-(-1: no continuation, padding) are left out, not padded.
+(-1: no continuation, padding) are left out, not padded (data/reading.py in_context_tokens, the
+rule the in-context-trained GPT-2 also trains with).
 
 The window is split: k · r tokens for the neighbours (r = 2 · chunk_len, a neighbour and its
 continuation), the rest, T = (window − k · r) / chunk_len whole chunks, for the text, as a user
@@ -25,18 +26,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from retropipe.data.reading import in_context_text_chunks, in_context_tokens
 from retropipe.training.evaluation.leakage import predicting_neighbours
 from retropipe.training.evaluation.scoring import ScoredBatch, accumulate, head_nll
 
 
 def text_chunks(window: int, chunk_len: int, k: int) -> int:
     """T: the chunks of text an in-context row holds beside k neighbours of 2 · chunk_len tokens."""
-    T = (window - k * 2 * chunk_len) // chunk_len
-    if T < 2:
-        raise ValueError(f"eval.in_context_neighbours {k}: {k} neighbours of {2 * chunk_len} tokens leave "
-                         f"{max(T, 0)} chunks of eval.window ({window}) for the text; at least 2 are needed "
-                         f"(the chunk scored and the one its neighbours were retrieved for)")
-    return T
+    return in_context_text_chunks(window, chunk_len, k, "eval.in_context_neighbours")
 
 
 def in_context_rows(chunks, neighbours, ids: np.ndarray, T: int, k: int) -> tuple[list[np.ndarray], list[int]]:
@@ -46,11 +43,10 @@ def in_context_rows(chunks, neighbours, ids: np.ndarray, T: int, k: int) -> tupl
             else np.full((len(ids), k, 2 * m), -1, np.int64))                        # (b, k, r)
     rows, starts = [], []
     for u, read in zip(ids, nbrs):
-        context = np.concatenate([row[row >= 0] for row in read[::-1]])             # best neighbour last
         first = max(0, u - T + 1)
-        text = chunks.tokens(np.arange(first, u + 1)).reshape(-1).astype(np.int64)  # ((u - first + 1) · m,)
-        rows.append(np.concatenate([context, text]))
-        starts.append(len(context) + (u - first) * m)
+        text = chunks.tokens(np.arange(first, u + 1)).reshape(-1)                    # ((u - first + 1) · m,)
+        rows.append(in_context_tokens(read, text))
+        starts.append(len(rows[-1]) - len(text) + (u - first) * m)
     return rows, starts
 
 

@@ -16,6 +16,8 @@ Rows, per model (bits per byte on the same chunks, training/evaluation/scoring.p
 Rivals (eval.rivals), per GPT-2 model, reading the same neighbours with no training:
             "<label> in-context k=K"      K = eval.in_context_neighbours, before the text (in_context.py)
             "<label> kNN-LM"              interpolated with a kNN over the database's tokens (knn_lm.py)
+A GPT-2 trained with its neighbours in context (model.in_context = K, the in_context_trained rival):
+            "<label> in-context trained k=K"   read as the in-context rival reads
 Leakage: α per chunk against the neighbours it is predicted with (training/evaluation/leakage.py), and every
 row's bits per byte per α bucket (cumulative, as the paper plots them) and per disjoint α slice. The database-size curve: RETRO[ON] of each RETRO model against
 growing databases (`curve`: one neighbour source per database size).
@@ -58,6 +60,12 @@ def report_rows(models: list[tuple[str, object]], eval_cfg, neighbours) -> list[
     k, more = eval_cfg.neighbours, eval_cfg.more_neighbours
     rows = []
     for label, model in models:
+        if model.cfg.in_context:  # a GPT-2 trained with its neighbours in context reads them so
+            if neighbours is None:
+                raise ValueError(f"{label} reads neighbours in its context (model.in_context): evaluating it needs them")
+            rows.append(Row(f"{label} in-context trained k={model.cfg.in_context}", model, neighbours,
+                            model.cfg.in_context, "in_context"))
+            continue
         if not model.cfg.retrieves:
             rows.append(Row(f"{label} (baseline)", model, None, 0))
             if neighbours is not None and "in_context" in eval_cfg.rivals:

@@ -74,6 +74,10 @@ class ModelConfig:
     # belonged: without it, neighbours that do not hold the text make RETRO worse than reading none
     # (docs/results.md, "Doing no harm").
     copy_gate: bool = True
+    # GPT-2 only. Neighbours (each with its continuation) the model reads before its text, at
+    # training and at evaluation, as the in-context rival does (data/reading.py in_context_tokens):
+    # the in-context-trained rival; 0 = a plain GPT-2.
+    in_context: int = 0
 
     def __post_init__(self):
         require(self.kind in ("gpt2", "retro"), "model.kind", f"must be 'gpt2' or 'retro', got {self.kind!r}")
@@ -97,6 +101,8 @@ class ModelConfig:
                     "RETRO needs an even encoder head width encoder_embd / encoder_head")
             require(self.encoder_layers >= 1, "model.encoder_layers", "must be >= 1 for RETRO")
         require(not self.freeze_trunk or self.kind == "retro", "model.freeze_trunk", "only applies to kind 'retro'")
+        require(self.in_context >= 0 and (self.in_context == 0 or self.kind == "gpt2"), "model.in_context",
+                f"must be >= 0, and only a GPT-2 reads neighbours in its context, got {self.in_context} for {self.kind!r}")
         require(self.position_bias_scale >= 0, "model.position_bias_scale", "must be >= 0")
         require(self.retrieval_init in ("identity", "normal"), "model.retrieval_init",
                 f"must be 'identity' or 'normal', got {self.retrieval_init!r}")

@@ -89,7 +89,8 @@ def read_run_config(run_dir: Path) -> dict | None:
 def rules_beside_config(cfg) -> dict:
     """What a run's trajectory depends on beside its config: the rule that lines up a RETRO run's
     neighbours (data/reading.py), which a newer RetroPipe may change under the same config."""
-    rule = Reading.for_training(cfg.retrieval).alignment_rule if cfg.model.retrieves else None
+    reads = cfg.model.retrieves or cfg.model.in_context
+    rule = Reading.for_training(cfg.retrieval).alignment_rule if reads else None
     return {"alignment_rule": rule}
 
 

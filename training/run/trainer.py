@@ -94,11 +94,14 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.t.precision]
         check_tied_weights(pipe, "at the start of training", self.dtype, log)
-        # Only the first stage reads neighbours; the last stage needs just the labels.
-        nbrs = neighbours if (self.retro and pipe.first) else None
+        # Only RETRO's first stage reads neighbours, its last stage needs just the labels; a GPT-2
+        # with its neighbours in context (model.in_context) places its labels after them: every stage.
+        in_context = cfg.model.in_context
+        nbrs = neighbours if (self.retro and pipe.first) or in_context else None
         k = self.t.neighbours
-        self.train_data = SequenceBatches(store, "train", self.t.seq_len, nbrs, k, self.t.lessons, self.t.seed)
-        self.val_data = SequenceBatches(store, "validation", self.t.seq_len, nbrs, k)
+        self.train_data = SequenceBatches(store, "train", self.t.seq_len, nbrs, k, self.t.lessons, self.t.seed,
+                                          in_context)
+        self.val_data = SequenceBatches(store, "validation", self.t.seq_len, nbrs, k, in_context=in_context)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.tokens_per_step = self.t.seq_len * self.t.micro_batch_size * self.t.micro_batches * pipe.dp_world
         self.targets_read = 0
