@@ -24,7 +24,7 @@ index 0.4 s), so ~10 minutes and a few GB of driver memory at 10^7 (extrapolated
 **Queries** run through the build's Executor (Ray tasks from launch/build_index.py), one task per
 query shard (`shard_candidates`; each worker loads the index once, memory-mapped). A query sums the
 postings of its words over every database chunk and selects the top `fetch`: ~0.1 ms at 14k
-chunks; linear in the database, ~70 ms at 10^7, so 10^7 queries want ~2·10^5 CPU-seconds (a cluster).
+chunks; linear in the database, ~70 ms at 10^7, so 10^7 queries want ~7·10^5 CPU-seconds (a cluster).
 """
 
 from __future__ import annotations
