@@ -109,6 +109,11 @@ def preflight(cfg, world_size: int):
     if cfg.model.retrieves or cfg.model.in_context:
         neighbours = NeighbourStore.of(cfg.retrieval_dir, store, chunks_per_seq=t.seq_len // store.chunk_len,
                                         reading=Reading.for_training(cfg.retrieval))
+        built = neighbours.manifest.get("method", "dense")
+        if built != cfg.retrieval.method:  # a run's config must say which neighbours it trained on
+            raise ConfigError("retrieval.method", f"{cfg.retrieval.method!r}, but the neighbours in "
+                              f"{cfg.retrieval_dir} were found by {built!r}; build them: python "
+                              f"launch/build_index.py --config ... --set retrieval.method={cfg.retrieval.method}")
     return store, neighbours, plan
 
 

@@ -108,3 +108,15 @@ def test_a_gpt2_trains_and_is_scored_with_its_neighbours_in_context(retro_workdi
     report = json.loads((out / "report.json").read_text())
     assert [r["model"] for r in report["rows"]] == ["in-context in-context trained k=1"]
     assert report["rows"][0]["tokens"] > 0 and report["alpha"] is not None
+
+
+def test_training_refuses_neighbours_of_another_method(retro_workdir):
+    """A run's config names the neighbours it trains on: dense ones under retrieval.method bm25 are refused."""
+    from retropipe.data.errors import ConfigError
+    from retropipe.launch.train import preflight
+
+    cfg = load_config(ROOT / "configs" / "tiny-retro.yaml", [f"workdir={retro_workdir}", *TINY])
+    assert preflight(cfg, 2)[1].manifest.get("method", "dense") == "dense"
+    with pytest.raises(ConfigError, match=r"retrieval\.method.*'bm25', but the neighbours .* 'dense'"):
+        preflight(load_config(ROOT / "configs" / "tiny-retro.yaml", [f"workdir={retro_workdir}", *TINY,
+                                                                     "retrieval.method=bm25"]), 2)
