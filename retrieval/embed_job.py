@@ -368,15 +368,21 @@ class Embeddings:
             yield int(offsets[i]), self.shard(split, i)
 
     def rows(self, split: str, ids: np.ndarray) -> np.ndarray:
-        """(len(ids), d) float32 embeddings of the given chunk ids."""
+        """(len(ids), d) float32 embeddings of the given chunk ids.
+
+        The ids are sorted and cut into runs of one shard: a mask of all ids per shard touched
+        cost len(ids) × shards, and the neighbour stage's re-rank, whose ids span the whole
+        database, grew with the square of the database (bench/scale.py)."""
         ids = np.asarray(ids, dtype=np.int64)
         offsets = self.offsets(split)
-        shard = np.searchsorted(offsets, ids, side="right") - 1
+        order = np.argsort(ids, kind="stable")
+        shard = np.searchsorted(offsets, ids[order], side="right") - 1
+        starts = np.flatnonzero(np.diff(shard, prepend=-1))       # where each run of one shard begins
         out = np.empty((len(ids), self.dim), dtype=np.float32)
-        for s in np.unique(shard):
-            sel = shard == s
-            key = (split, int(s))
+        for begin, end in zip(starts, [*starts[1:], len(ids)]):
+            s, sel = int(shard[begin]), order[begin:end]
+            key = (split, s)
             if key not in self._maps:
-                self._maps[key] = load_npy(self.shard_path(split, int(s)), rerun=f"run {BUILD_DATABASE}")
+                self._maps[key] = load_npy(self.shard_path(split, s), rerun=f"run {BUILD_DATABASE}")
             out[sel] = self._maps[key][ids[sel] - offsets[s]]
         return out

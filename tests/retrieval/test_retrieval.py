@@ -50,6 +50,18 @@ def test_excluded_hashes_cover_the_whole_sequence():
     assert excluded_hashes(hashes, np.array([1, 4]), None).tolist() == [[7], [9]]
 
 
+def test_embedding_rows_come_back_in_the_order_asked_across_shards(tmp_path):
+    # Unsorted, repeated ids over shards of other sizes (one empty): each row its own chunk's vector.
+    sizes, vectors = [5, 0, 7, 3], np.random.default_rng(0).standard_normal((15, 4)).astype(np.float16)
+    (tmp_path / "train").mkdir()
+    for i, (start, n) in enumerate(zip(np.cumsum([0] + sizes), sizes)):
+        save_npy(tmp_path / "train" / f"shard-{i:05d}.npy", vectors[start:start + n])
+    emb = Embeddings(tmp_path, {"dim": 4, "fingerprint": "f", "shard_chunks": {"train": sizes},
+                                "shards": {"train": [f"shard-{i:05d}.npy" for i in range(4)]}})
+    for ids in ([14, 0, 3, 14, 5, 12, 1], [], [11]):
+        np.testing.assert_array_equal(emb.rows("train", np.array(ids, np.int64)), vectors[ids].astype(np.float32))
+
+
 def test_no_neighbour_from_the_same_document_or_sequence(built):
     root, store, result = built
     nbrs = neighbours_of(root)
