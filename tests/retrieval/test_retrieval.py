@@ -21,7 +21,7 @@ from retropipe.retrieval.build_database import build_retrieval
 from retropipe.retrieval.copies import find_copies
 from retropipe.retrieval.database_parts import DatabaseVectors
 from retropipe.retrieval.embed_job import Embeddings, serial_embed_runner
-from retropipe.retrieval.index import build_index, exact_search, load_index, make_index, sample_rows
+from retropipe.retrieval.index import add_groups, build_index, exact_search, load_index, make_index, sample_rows
 from retropipe.retrieval.neighbour_search import excluded_hashes, select_neighbours
 from tests.corpora import CHUNK_LEN, ROOT, SEQ_CHUNKS, TOPICS, make_store, neighbours_of, retrieval_cfg
 
@@ -139,6 +139,12 @@ def test_sharded_merged_index_equals_single_pass(tmp_path, factory):
     np.testing.assert_array_equal(i1, i2)
     np.testing.assert_allclose(d1, d2, rtol=1e-5, atol=1e-6)
     assert manifest["ntotal"] == 2000 and not list((tmp_path / "index" / "shards").iterdir())
+
+
+def test_add_tasks_take_consecutive_shards_of_at_least_64_vectors_a_list():
+    sources = [(0, "a", 700), (700, "b", 0), (700, "c", 500), (1200, "d", 800)]
+    assert [[s[1] for s in g] for g in add_groups(sources, 8)] == [["a"], ["b", "c", "d"]]   # 8 lists: 512 vectors
+    assert [[s[1] for s in g] for g in add_groups(sources, 0)] == [["a"], ["b"], ["c"], ["d"]]  # no lists
 
 
 def test_ivf_index_survives_moving_the_workdir(tmp_path):
