@@ -372,7 +372,7 @@ class Embeddings:
 
         The ids are sorted and cut into runs of one shard: a mask of all ids per shard touched
         cost len(ids) × shards, and the neighbour stage's re-rank, whose ids span the whole
-        database, grew with the square of the database (bench/scale.py)."""
+        database, grew with the square of the database (bench/scaling/scale.py)."""
         ids = np.asarray(ids, dtype=np.int64)
         offsets = self.offsets(split)
         order = np.argsort(ids, kind="stable")

@@ -38,9 +38,10 @@ MANIFEST_VERSION = 2  # 2: over the database's parts (ids are database ids)
 INDEX_FILE, IVFDATA_FILE, TRAINED_FILE = "index.faissindex", "index.ivfdata", "trained.faissindex"
 # Vectors an IVF add task takes at least, per list. Every task reads the trained index (its K
 # centroids, and IVF-PQ's precomputed table of K·M·256 floats) and the merge visits every task's
-# file list by list: with a task per embedding shard (a few thousand chunks) both grew as shards × K,
-# faster than the database (bench/scale.py: IVF1397,PQ32 over 122k chunks, add 38.5 → 23.0 s and
-# merge 8.7 → 0.1 s on one thread). At 64 a list the task's overhead is a small part of its adds.
+# file list by list: with a task per embedding shard (a few thousand chunks) both grew as
+# shards × K, faster than the database (bench/scaling/scale.py: IVF1397,PQ32 over 122k chunks,
+# add 38.5 → 23.0 s and merge 8.7 → 0.1 s on one thread). At 64 a list the task's overhead is a
+# small part of its adds.
 ADD_VECTORS_PER_LIST = 64
 
 
