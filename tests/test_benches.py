@@ -70,6 +70,17 @@ def test_the_generation_benchmark_samples_the_same_tokens_with_and_without_the_c
     assert sorted(rows) == ["gpt2", "retro"] and all(row[-1] == "yes" for row in rows.values()), out
 
 
+def test_the_scale_benchmark_fits_a_line_for_every_stage(one_thread, capsys):
+    scale = bench("scaling/scale")
+    assert scale.main(["--tiny", "--in-process"]) == 0    # every stage, in this process: imports paid once
+    out = capsys.readouterr().out
+    for stage in scale.STAGES:
+        assert re.search(rf"^{stage}: time exponent -?\d+\.\d\d, memory exponent -?\d+\.\d\d$", out, re.M), out
+    assert re.search(r"^goal time exponent ≤ 1\.15 for every stage: (met|missed by .+)$", out, re.M), out
+    assert scale.main(["--tiny", "--stages", "prepare"]) == 0    # the benchmark's way: a process per size
+    assert re.search(r"^prepare: time exponent .+\n  at [\d,]+ chunks: ", capsys.readouterr().out, re.M)
+
+
 @pytest.fixture(autouse=True)
 def _quiet_faiss_threads():
     """FAISS on one thread here: these sizes gain nothing from more, and the suite shares 2 cores."""
