@@ -9,6 +9,7 @@ import gzip
 import json
 import math
 import resource
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -138,6 +139,7 @@ def run_prepare(work: Path, replicas: float, corpus: Path, args) -> dict:
     from retropipe.data.stage import serial_executor
 
     documents = round(replicas * CORPUS_DOCS)
+    shutil.rmtree(work / f"data-{documents}", ignore_errors=True)   # a stage found complete would be skipped
 
     def stage():
         manifest = prepare(data_config(corpus, documents), work / f"data-{documents}", serial_executor, progress=False)
@@ -159,6 +161,7 @@ def run_embed(work: Path, chunks: int, corpus: Path, args) -> dict:
     split = store.split("train")   # warm-up: the common sub-batch shapes' kernels made before the stage
     embed(model, chunk_texts(split.tokens(np.arange(min(len(split), 256))), split.lengths[:256],
                              get_tokenizer(store.manifest["tokenizer"]), store.eot_id))
+    shutil.rmtree(work / "embed" / f"embeddings-{chunks}", ignore_errors=True)
 
     def stage():
         manifest = embed_stores([(store, work / "embed" / f"embeddings-{chunks}")], "", 1024, serial_embed_runner,
@@ -173,6 +176,7 @@ def run_index(work: Path, replicas: float, corpus: Path, args) -> dict:
 
     _, root, vectors = database_at(work, replicas, corpus)
     factory, sample = index_settings(args.factory, len(vectors))
+    shutil.rmtree(root / "index", ignore_errors=True)
 
     def stage():
         manifest = build_index(vectors, root / "index", factory, sample, 1234, serial_executor, 1)
@@ -191,6 +195,7 @@ def run_neighbours(work: Path, replicas: float, corpus: Path, args) -> dict:
     index = load_index(root / "index", read_json(root / "index" / "manifest.json"), DIM, NPROBE, 64)
     search = DenseSearch(index, vectors.parts[0][1], CANDIDATES, vectors.rows)
     inputs = {"bench": "scale", "embeddings_fingerprint": vectors.fingerprint, "index_fingerprint": "bench"}
+    shutil.rmtree(root / "neighbours", ignore_errors=True)
 
     def stage():
         manifest = query_neighbours(search, store, Database(root), root / "neighbours", inputs, K, CANDIDATES,
