@@ -24,7 +24,7 @@ from retropipe.data.config import DEFAULT_CORPUS, DataConfig
 SIZES = {
     "tiny": {"data": (0.02, 0.04), "embed": (24, 48), "train": (1, 2), "evaluate": (8, 16)},
     "quick": {"data": (2, 4, 8, 16), "embed": (512, 1024, 2048, 4096), "train": (1, 2, 4, 8),
-              "evaluate": (256, 512, 1024, 2048)},
+              "evaluate": (128, 256, 512, 1024)},
     "full": {"data": (8, 16, 32, 64, 128), "embed": (1024, 2048, 4096, 8192), "train": (4, 8, 16, 32, 64),
              "evaluate": (1024, 2048, 4096, 8192, 16384)},
 }
