@@ -1,9 +1,9 @@
 """Which retrieval to use: RETRO against the rivals on one corpus, every method, two seeds (docs/results.md).
 
-    python bench/which_retrieval.py --workdir runs/which/demo                      # the demo's corpus and database
-    python bench/which_retrieval.py --workdir runs/which/versions --set data.corpus=runs/versions/versions.jsonl \\
+    python bench/results/which_retrieval.py --workdir runs/which/demo                      # the demo's corpus and database
+    python bench/results/which_retrieval.py --workdir runs/which/versions --set data.corpus=runs/versions/versions.jsonl \\
         --set 'retrieval.corpora=[]' --set 'eval.database_curve=[]'
-    python bench/which_retrieval.py --workdir runs/which/techdocs --set data.corpus=../shared/corpora/techdocs.jsonl.gz \\
+    python bench/results/which_retrieval.py --workdir runs/which/techdocs --set data.corpus=../shared/corpora/techdocs.jsonl.gz \\
         --set 'retrieval.corpora=[]' --set 'eval.database_curve=[]' --set eval.max_chunks=2000
 
 Every row is the command a user would type, run in turn (each skips work already complete, so a
@@ -33,7 +33,7 @@ from pathlib import Path
 
 from retropipe.launch.report import slice_harm
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 METHODS = ("dense", "bm25", "hybrid")
 CONFIG = "configs/tiny.yaml"
 IN_CONTEXT_RUN = "gpt2-in-context"   # launch/demo.py's name for the in-context-trained run
