@@ -129,13 +129,14 @@ def _results_section(report: dict) -> list[str]:
           "| model | bits/byte | vs RETRO[OFF] | perplexity | tokens | bytes |", "|---|---|---|---|---|---|"]
     md += [f"| {r['model']} | {r['bits_per_byte']:.4f} | {_vs_off(report, r) or '–'} | {r['perplexity']:.2f} | "
            f"{r['tokens']:,} | {r['bytes']:,} |" for r in rows]
-    if against_rivals(report):
+    rival_lines = against_rivals(report)
+    if rival_lines:
         md += ["", "The rivals read the same neighbours with the baseline and no training: in-context puts the "
                "neighbours of the chunk before before its text (In-Context RALM), kNN-LM interpolates it with a "
                "nearest-neighbour distribution over the database's tokens (λ, k, T chosen on the training split: "
                + ", ".join(f"λ {v['lambda']}, k {v['k']}, T {v['temperature']:.3g}"
                            for v in (report.get("knn_lm") or {}).values()) + ")."]
-        md += ["", *[f"- {line}" for line in against_rivals(report)]]
+        md += ["", *[f"- {line}" for line in rival_lines]]
     trained = report.get("trained") or {}
     if any(trained.values()):
         md += ["", "How each model was trained:", ""] + [f"- {name}: {line}" for name, line in trained.items() if line]
