@@ -18,6 +18,8 @@ widening that range, run the check (and the suite) against the new release.
 
 from __future__ import annotations
 
+import ast
+import functools
 import importlib
 import inspect
 import re
@@ -116,11 +118,36 @@ def _resolve(path: str):
     return None
 
 
+@functools.lru_cache(maxsize=None)
 def _source(obj) -> str:
     """The source of a module, or of a class and its DeepSpeed base classes."""
     if inspect.ismodule(obj):
         return inspect.getsource(obj)
-    return "\n".join(inspect.getsource(c) for c in inspect.getmro(obj) if c.__module__.startswith("deepspeed"))
+    return "\n".join(_class_source(c) for c in inspect.getmro(obj) if c.__module__.startswith("deepspeed"))
+
+
+def _class_source(cls) -> str:
+    """A class's source, as inspect.getsource gives it, from its file parsed once: getsource
+    tokenizes the file again for every class (2 s of each rank's start-up for these names)."""
+    return _classes_in(inspect.getsourcefile(cls))[cls.__qualname__]
+
+
+@functools.lru_cache(maxsize=None)
+def _classes_in(path: str) -> dict[str, str]:
+    """{qualified name: source} of every class defined in a Python file."""
+    text = Path(path).read_text(encoding="utf-8")
+    lines, found = text.splitlines(keepends=True), {}
+
+    def visit(node, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                first = min([child.lineno] + [d.lineno for d in child.decorator_list])
+                found.setdefault(prefix + child.name, "".join(lines[first - 1:child.end_lineno]))
+                visit(child, f"{prefix}{child.name}.")
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(child, f"{prefix}{child.name}.<locals>.")
+    visit(ast.parse(text, path), "")
+    return found
 
 
 def _present(entry: PrivateName) -> bool:
