@@ -5,7 +5,8 @@
 
 Prints, measured side by side in one run, for each preset and precision: tokens/s of the
 GPT-2 baseline and of RETRO on the same trunk (k = 2 neighbours of 2 · chunk_len tokens per
-chunk), their step-time ratio (goal: RETRO ≤ 1.2× baseline), and model FLOP utilisation:
+chunk), their step-time ratio beside their ratio of forward FLOPs (`model_flops`: the blocks,
+RETRO's CCAs and encoder, the head; goal: step ratio ≤ 1.05 × FLOP ratio), and model FLOP utilisation:
 nanoGPT's estimate_mfu, 6N + 12·L·H·Q·T FLOPs per token (N = parameters without positions),
 against the matmul FLOP/s measured in the same run by timing a big matmul in the same dtype, and
 against GPT-2's own matmul shapes at this batch timed alone (the step's ceiling).
@@ -29,9 +30,18 @@ import torch  # noqa: E402
 from retropipe.training.models.registry import build_model  # noqa: E402
 from retropipe.training.models.config import ModelConfig  # noqa: E402
 from retropipe.training.models.flops import flops_per_token, mfu  # noqa: E402
-from retropipe.training.models.gpt2 import FusedLoss  # noqa: E402
+from retropipe.training.models.gpt2 import FusedLoss, block_flops  # noqa: E402
+from retropipe.training.models.retro import retrieval_flops  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def model_flops(cfg: ModelConfig, n: int, k: int) -> float:
+    """Forward FLOPs of a sequence of n tokens: every block, RETRO's retrieval path in its CCA
+    layers (the first holding the encoder; k neighbours a chunk), and the head (2·n·V·d)."""
+    cca = cfg.cca_blocks() if cfg.retrieves else []
+    return (cfg.n_layer * block_flops(cfg, n) + 2 * n * cfg.vocab_size * cfg.n_embd
+            + sum(retrieval_flops(cfg, n, k, i == cca[0]) for i in cca))
 
 
 def sync(device: str) -> None:
@@ -182,11 +192,13 @@ def main(argv=None) -> int:
                     for kind, (cfg, model) in models.items()}
             autocast = dtype if dtype != torch.float32 and not as_weights else None
             best = step_times(runs, device, autocast, warmup, iters)
+            flop_ratio = (model_flops(models["retro"][0], seq_len, args.neighbours)
+                          / model_flops(models["gpt2"][0], seq_len, args.neighbours))
             for kind, (cfg, model) in models.items():
                 n = sum(p.numel() for p in model.parameters())
                 fpt = flops_per_token(cfg, seq_len)
                 rows.append((preset, label, kind, n, batch_size, best[kind], best[kind] / best["gpt2"], fpt,
-                             fpt - 12 * cfg.n_layer * cfg.n_embd * seq_len))   # 6N: without attention
+                             fpt - 12 * cfg.n_layer * cfg.n_embd * seq_len, flop_ratio))   # 6N: without attention
                 print(f"  measured {preset} {label} {kind}: {best[kind]:.3f} s/step", flush=True)
         del models
     measure_peak()
@@ -199,12 +211,13 @@ def main(argv=None) -> int:
           "(6N FLOPs per token) take at the speed of its own shapes timed alone; the rest is attention and "
           "everything not a matmul")
     print(f"\n{'preset':<11} {'dtype':<5} {'model':<6} {'params':>12} {'batch':>5} {'step s':>8} "
-          f"{'tokens/s':>10} {'MFU':>6} {'matmuls':>8} {'RETRO/base':>10}")
-    for preset, label, kind, n, batch_size, t, ratio, fpt, matmul_fpt in rows:
+          f"{'tokens/s':>10} {'MFU':>6} {'matmuls':>8} {'RETRO/base':>10} {'FLOPs':>6} {'÷ FLOPs':>8}")
+    for preset, label, kind, n, batch_size, t, ratio, fpt, matmul_fpt, flop_ratio in rows:
         tps = batch_size * seq_len / t
         share = f"{mfu(matmul_fpt, tps, shapes_peak[(preset, label)]):.1%}" if kind == "gpt2" else ""
         print(f"{preset:<11} {label:<5} {kind:<6} {n:>12,} {batch_size:>5} {t:>8.3f} {tps:>10,.0f} "
-              f"{mfu(fpt, tps, peak[label]):>6.1%} {share:>8} {f'{ratio:.2f}x' if kind == 'retro' else '':>10}")
+              f"{mfu(fpt, tps, peak[label]):>6.1%} {share:>8} {f'{ratio:.2f}x' if kind == 'retro' else '':>10}"
+              + (f" {flop_ratio:>5.2f}x {ratio / flop_ratio:>7.2f}x" if kind == "retro" else ""))
     return 0
 
 

@@ -176,6 +176,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--corpus evaluates a whole held-out corpus; --split applies to the training data only")
     try:
         cfg = config_from_args(args)  # --print-config exits here, before any model is read
+        if cfg.eval.retro_knn_lm and (args.corpus or args.database):
+            raise ConfigError("eval.retro_knn_lm", "RETRO + kNN-LM is tuned on the training split with RETRO reading "
+                                                   "its neighbours, which only the build's own database holds: "
+                                                   "evaluate without --corpus and --database")
         device = resolve_device(args.device)
         for path in args.checkpoint:
             if not (model_dir_of(path) / "config.json").exists():

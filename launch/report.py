@@ -29,7 +29,8 @@ def against_rivals(report: dict) -> list[str]:
     no training (in-context, kNN-LM), and against the GPT-2 trained with its neighbours in context."""
     rows = report["rows"]
     kinds = (("the best rival that needs no training",
-              [r for r in rows if " in-context k=" in r["model"] or r["model"].endswith(" kNN-LM")]),
+              [r for r in rows if "RETRO[" not in r["model"]
+               and (" in-context k=" in r["model"] or r["model"].endswith(" kNN-LM"))]),
              ("the GPT-2 trained with its neighbours in context", [r for r in rows if " in-context trained" in r["model"]]))
     lines = []
     for what, rivals in kinds:

@@ -259,26 +259,26 @@ def test_evaluate_writes_every_report_file(evaluated, capsys):
     from retropipe.launch.evaluate import main
 
     root, sets = evaluated
-    assert main(["--config", "configs/tiny.yaml", *sets, "--checkpoint", str(root / "runs" / "gpt2"),
-                 "--checkpoint", str(root / "runs" / "retro")]) == 0
+    assert main(["--config", "configs/tiny.yaml", *sets, "--set", "eval.retro_knn_lm=true",
+                 "--checkpoint", str(root / "runs" / "gpt2"), "--checkpoint", str(root / "runs" / "retro")]) == 0
     out = root / "reports"
     report = json.loads((out / "report.json").read_text())
     assert [r["model"] for r in report["rows"]] == ["gpt2 (baseline)", "gpt2 in-context k=1", "gpt2 kNN-LM",
-                                                    "retro RETRO[ON] k=2", "retro RETRO[OFF]", "retro RETRO[SHUFFLED]"]
+                                                    "retro RETRO[ON] k=2", "retro RETRO[OFF]", "retro RETRO[SHUFFLED]",
+                                                    "retro RETRO[ON] k=2 + kNN-LM"]
     assert all(r["bits_per_byte"] > 0 and r["tokens"] == report["rows"][0]["tokens"] for r in report["rows"])
     bpb = [r["bits_per_byte"] for r in report["rows"]]
-    assert len(set(bpb[3:])) == 3 and bpb[1] != bpb[0] != bpb[2]  # RETRO and the rivals read the neighbours
+    assert len(set(bpb[3:])) == 4 and bpb[1] != bpb[0] != bpb[2]  # RETRO and the rivals read the neighbours
     everything = next(b for b in report["alpha"]["buckets"] if b["bucket"] == "α ≤ 100.0%")
     assert everything["chunks"] == report["chunks"] == len(ChunkStore(root / "data").split("validation"))
     for name in ("report.md", "loss_curves.png", "bpb.png", "bpb_by_alpha.png", "config.yaml"):
         assert (out / name).stat().st_size > 0, name
-    said = capsys.readouterr()   # eval.precision auto: never an emulated bf16, so never its warning
-    assert "RETRO[OFF]" in (out / "report.md").read_text() and "bits/byte" in said.out and "warning" not in said.err
-    # How each model was trained, from its run's config.yaml: RETRO from the baseline's weights.
-    trained = report["trained"]
+    said, md = capsys.readouterr(), (out / "report.md").read_text()   # precision auto: never emulated bf16's warning
+    assert "RETRO[OFF]" in md and "bits/byte" in said.out and "warning" not in said.err
+    trained = report["trained"]  # how each model was trained, from its run's config.yaml: RETRO from the baseline's
     assert trained["gpt2"] == "GPT-2, 3 steps of training, seed 1234"
     assert f"starting from the weights of {root / 'runs' / 'gpt2' / 'model'} (train.init_from)" in trained["retro"]
-    assert f"- retro: {trained['retro']}" in (out / "report.md").read_text()
+    assert f"- retro: {trained['retro']}" in md and "retro RETRO[ON] k=2 + kNN-LM: " in md  # beside the best rival
 
 
 def test_a_warm_started_model_is_reported_as_one(tmp_path):

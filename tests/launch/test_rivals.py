@@ -15,10 +15,11 @@ from retropipe.launch.evaluate import knn_datastore_index
 from retropipe.training.evaluation.config import EvalConfig
 from retropipe.training.evaluation.in_context import in_context_rows, score_in_context, text_chunks
 from retropipe.training.evaluation.knn_lm import (Datastore, KnnSettings, build_datastore, knn_probability,
-                                                  score_knn_lm, tune)
+                                                  paired_batches, score_knn_lm, tune)
 from retropipe.training.evaluation.scoring import score_split, token_byte_lengths
 from retropipe.training.models.config import ModelConfig
 from retropipe.training.models.gpt2 import GPT2
+from retropipe.training.models.retro import Retro
 
 M = 8
 TEXTS = ["The quick brown fox jumps over the lazy dog and runs far into the green forest. " * 2,
@@ -116,6 +117,43 @@ def test_knn_lm_with_lambda_zero_is_the_baseline_and_reads_a_copy_of_the_text(ti
     own = build_datastore(model, one_part(store, hashes), 4 * M, 2 * M, knn_datastore_index)
     alone = score_knn_lm(model, chunks, lengths, hashes, own, settings, 4 * M, 2 * M)
     assert alone.bits_per_byte() > baseline.bits_per_byte() > on.bits_per_byte()
+
+
+def test_retro_with_a_knn_lm_reads_its_neighbours_and_queries_its_trunks_datastore(tiny):
+    store, _, lengths = tiny
+    chunks, hashes = store.split("train"), store.text_hashes("train")
+    torch.manual_seed(0)
+    retro = Retro(ModelConfig(kind="retro", n_layer=2, n_head=2, n_embd=16, n_positions=64, chunk_len=M,
+                              encoder_layers=1, encoder_embd=8, encoder_head=2)).eval()
+    with torch.no_grad():  # away from the initialisation, where the CCAs may add exactly nothing
+        for p in retro.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    table = TableNeighbours(np.random.default_rng(1).integers(0, 1000, (len(chunks), 2, 2 * M)))
+    on = score_split(retro, chunks, lengths, 4 * M, 2 * M, table, 2)
+    off = score_split(retro, chunks, lengths, 4 * M, 2 * M)
+    assert abs(on.nll - off.nll).max() > 1e-3                # reading the neighbours changes the predictions
+    # A datastore of the trunk's states over this very text as another document's: each query, the
+    # trunk's state, finds its own entry (at fp16's rounding), where RETRO's state read for the LM
+    # term would not.
+    copy = build_datastore(retro, one_part(store, hashes + np.uint64(1)), 4 * M, 2 * M, knn_datastore_index)
+    for b in paired_batches(retro, chunks, 4 * M, 2 * M, table, 2):
+        near, far = (copy.neighbours(q, hashes[b.chunk])[0][:, 0] for q in (b.query, b.lm.hidden))
+        assert near.max() < 1e-4 < far.max(), (near.max(), far.max())
+    zero = score_knn_lm(retro, chunks, lengths, hashes, copy, KnnSettings(0.0, 8, 1.0), 4 * M, 2 * M,
+                        neighbours=table, k=2)
+    np.testing.assert_allclose(zero.nll, on.nll, rtol=1e-9)   # λ = 0: RETRO[ON] exactly
+    settings = tune(retro, chunks, hashes, copy, 4 * M, 2 * M, len(chunks), neighbours=table, k=2)
+    mixed = score_knn_lm(retro, chunks, lengths, hashes, copy, settings, 4 * M, 2 * M, neighbours=table, k=2)
+    assert settings.lam > 0.5 and mixed.bits_per_byte() < 0.5 * on.bits_per_byte()
+
+
+def test_retro_with_a_knn_lm_is_refused_for_another_corpus_or_database(tmp_path, capsys):
+    from retropipe.launch.evaluate import main
+
+    for elsewhere in (["--corpus", str(tmp_path / "other.jsonl")], ["--database", str(tmp_path)]):
+        assert main(["--config", "configs/tiny.yaml", "--set", "eval.retro_knn_lm=true", *elsewhere,
+                     "--checkpoint", str(tmp_path)]) == 2
+        assert "config key 'eval.retro_knn_lm'" in capsys.readouterr().err
 
 
 def test_knn_probability_weights_the_nearest_and_skips_the_missing():

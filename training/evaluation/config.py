@@ -41,6 +41,9 @@ class EvalConfig:
     in_context_neighbours: int = 1
     # Chunks of the training split on which the kNN-LM's λ, k and temperature are chosen.
     knn_lm_tune_chunks: int = 256
+    # A row per RETRO model: RETRO[ON] interpolated with a kNN-LM over its own trunk's datastore
+    # (training/evaluation/knn_lm.py); the build's own database only (its training split tunes it).
+    retro_knn_lm: bool = False
 
     def __post_init__(self):
         require(self.window >= 1 and 1 <= self.stride <= self.window, "eval.stride",

@@ -18,6 +18,12 @@ whose text equals the scored chunk's document (its own, or an exact copy; data.c
 λ, k and T are chosen on a slice of the training split (its own documents excluded the same way),
 never on the evaluated text. The same targets as every other row: scoring.scored_batches.
 
+RETRO + kNN-LM (eval.retro_knn_lm): RETRO[ON]'s distribution interpolated the same way, with a
+datastore of RETRO's own trunk (its hidden state with no neighbours read, RETRO[OFF]'s): the
+database's tokens have no neighbours of their own to read, so keys and queries both come from
+the trunk, and the LM term from RETRO reading its neighbours (`neighbours`, k): two forwards a
+batch, the same targets.
+
 FAISS stays out of training/: the index comes in as `index_builder(keys) -> search(queries, n)`
 (launch/evaluate.py builds it with retrieval/index.py).
 """
@@ -30,7 +36,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from retropipe.training.evaluation.scoring import accumulate, head_nll, scored_batches
+from retropipe.training.evaluation.scoring import ScoredBatch, accumulate, head_nll, scored_batches
 
 # What the tuning tries: neighbours read, λ, and T as multiples of the median nearest distance.
 K_GRID = (8, 16, 32, 64)
@@ -111,17 +117,40 @@ def mixed_nll(lm_nll: np.ndarray, p_knn: np.ndarray, has: np.ndarray, lam: float
     return np.where(has, mixed, lm_nll)
 
 
+@dataclass
+class PairedBatch:
+    """One batch's targets: what the LM term predicts them from, and the kNN query for each."""
+    chunk: np.ndarray       # (t,) int64
+    lm: ScoredBatch         # the model's hidden states (RETRO: reading its neighbours)
+    query: torch.Tensor     # (t, d) the datastore's kind of hidden state (RETRO: its trunk's)
+
+
+def paired_batches(model, chunks, window: int, stride: int, neighbours=None, k: int = 0, **kw):
+    """PairedBatches of scored_batches: without neighbours the one forward serves both; with them
+    (RETRO + kNN-LM) the LM reads them and the query is the trunk's, a second forward."""
+    lm = scored_batches(model, chunks, window, stride, neighbours, k, **kw)
+    if neighbours is None:
+        yield from (PairedBatch(b.chunk, b, b.hidden) for b in lm)
+        return
+    trunk = scored_batches(model, chunks, window, stride, **{**kw, "progress": None})
+    for b, q in zip(lm, trunk):
+        if not np.array_equal(b.chunk, q.chunk):  # the same windows keep the same targets
+            raise RuntimeError("RETRO + kNN-LM: the LM's and the query's forwards scored different targets")
+        yield PairedBatch(b.chunk, b, q.hidden)
+
+
 def tune(model, chunks, hashes: np.ndarray, store: Datastore, window: int, stride: int, tune_chunks: int,
-         batch_size: int = 4, device=None) -> KnnSettings:
+         batch_size: int = 4, device=None, neighbours=None, k: int = 0) -> KnnSettings:
     """λ, k and T minimising the mean NLL of the first tune_chunks chunks of `chunks` (training
-    text, hashes (c,) its documents' text hashes): every grid point, from one search."""
+    text, hashes (c,) its documents' text hashes): every grid point, from one search. neighbours,
+    k: what a RETRO model reads for its LM term (paired_batches)."""
     head = head_nll(model)
     lm, dist, vals, targets = [], [], [], []
-    for b in scored_batches(model, chunks, window, stride, batch_size=batch_size, device=device,
+    for b in paired_batches(model, chunks, window, stride, neighbours, k, batch_size=batch_size, device=device,
                             max_chunks=tune_chunks):
-        lm.append(head(b))
-        d, v = store.neighbours(b.hidden, hashes[b.chunk])
-        dist.append(d), vals.append(v), targets.append(b.target.cpu().numpy())
+        lm.append(head(b.lm))
+        d, v = store.neighbours(b.query, hashes[b.chunk])
+        dist.append(d), vals.append(v), targets.append(b.lm.target.cpu().numpy())
     lm, dist, vals, targets = (np.concatenate(a) for a in (lm, dist, vals, targets))
     nearest = dist[:, 0][np.isfinite(dist[:, 0]) & (dist[:, 0] > 0)]
     scale = float(np.median(nearest)) if len(nearest) else 1.0
@@ -138,16 +167,17 @@ def tune(model, chunks, hashes: np.ndarray, store: Datastore, window: int, strid
 
 def score_knn_lm(model, chunks, byte_lengths: np.ndarray, hashes: np.ndarray, store: Datastore,
                  settings: KnnSettings, window: int, stride: int, batch_size: int = 4, device=None,
-                 progress=None, max_chunks: int = 0):
-    """ChunkScores of the kNN-LM on `chunks` (hashes (c,): each chunk's document text hash)."""
+                 progress=None, max_chunks: int = 0, neighbours=None, k: int = 0):
+    """ChunkScores of the kNN-LM on `chunks` (hashes (c,): each chunk's document text hash);
+    neighbours, k: what a RETRO model reads for its LM term (paired_batches)."""
     head = head_nll(model)
 
-    def nll_of(b):
-        d, v = store.neighbours(b.hidden, hashes[b.chunk], settings.k)
-        p, has = knn_probability(d, v, b.target.cpu().numpy(), settings.k, settings.temperature)
-        return mixed_nll(head(b), p, has, settings.lam)
+    def nll_of(b: PairedBatch):
+        d, v = store.neighbours(b.query, hashes[b.chunk], settings.k)
+        p, has = knn_probability(d, v, b.lm.target.cpu().numpy(), settings.k, settings.temperature)
+        return mixed_nll(head(b.lm), p, has, settings.lam)
 
     c = min(len(chunks), max_chunks or len(chunks))
-    batches = scored_batches(model, chunks, window, stride, batch_size=batch_size, device=device,
+    batches = paired_batches(model, chunks, window, stride, neighbours, k, batch_size=batch_size, device=device,
                              progress=progress, max_chunks=max_chunks)
     return accumulate(batches, nll_of, chunks, byte_lengths, c)

@@ -13,6 +13,8 @@ Rows, per model (bits per byte on the same chunks, training/evaluation/scoring.p
                                           neighbours well stays near OFF; ON below SHUFFLED is use of
                                           the neighbours' content.
             "<label> RETRO[ON] k=K2"      K2 = eval.more_neighbours, when larger than K
+            "<label> RETRO[ON] k=K + kNN-LM"   with eval.retro_knn_lm: RETRO[ON] interpolated with a
+                                          kNN over its own trunk's states of the database's tokens
 Rivals (eval.rivals), per GPT-2 model, reading the same neighbours with no training:
             "<label> in-context k=K"      K = eval.in_context_neighbours, before the text (in_context.py)
             "<label> kNN-LM"              interpolated with a kNN over the database's tokens (knn_lm.py)
@@ -81,6 +83,8 @@ def report_rows(models: list[tuple[str, object]], eval_cfg, neighbours) -> list[
                  Row(f"{label} RETRO[SHUFFLED]", model, neighbours.read_as(neighbours.reading.but(shuffled=True)), k)]
         if more > k:
             rows.append(Row(f"{label} RETRO[ON] k={more}", model, neighbours, more))
+        if eval_cfg.retro_knn_lm:
+            rows.append(Row(f"{label} RETRO[ON] k={k} + kNN-LM", model, neighbours, k, "knn_lm"))
     return rows
 
 
@@ -150,15 +154,21 @@ class RowScorer:
             raise ValueError("eval.rivals: the kNN-LM row needs the evaluated chunks' document hashes and a "
                              "FAISS index builder (RivalInputs)")
         e, model, database = self.e, row.model, row.neighbours.database
+        train = database.parts[0]
+        # RETRO's LM term reads its neighbours, on the tuning chunks too: the training split's own.
+        reads = dict(neighbours=row.neighbours, k=row.k) if model.cfg.retrieves else {}
+        if reads and row.neighbours.chunk_store.root.resolve() != train.store.root.resolve():
+            raise ValueError(f"{row.name}: λ, k and T are tuned on the database's training split with RETRO "
+                             f"reading its neighbours, which only the build's own database holds "
+                             f"(eval.retro_knn_lm: evaluate against it, without --database or --corpus)")
         bar = self.progress(f"{row.name} datastore") if self.progress else None
         store = build_datastore(model, database, e.window, e.stride, self.rivals.index_builder, e.batch_size,
                                 self.device, bar)
-        train = database.parts[0]
         settings = tune(model, train.split, database.text_hashes[:train.chunks], store, e.window, e.stride,
-                        e.knn_lm_tune_chunks, e.batch_size, self.device)
+                        e.knn_lm_tune_chunks, e.batch_size, self.device, **reads)
         self.knn_settings[row.name] = {**settings.as_dict(), "datastore_entries": len(store)}
         return score_knn_lm(model, self.chunks, self.byte_lengths, self.rivals.chunk_hashes, store, settings,
-                            e.window, e.stride, **common)
+                            e.window, e.stride, **common, **reads)
 
 
 def database_curve(curve, retro, score: RowScorer, neighbours, split: str, count: int, k: int) -> dict:
