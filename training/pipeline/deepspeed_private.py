@@ -22,6 +22,7 @@ import ast
 import functools
 import importlib
 import inspect
+import linecache
 import re
 import warnings
 from dataclasses import dataclass
@@ -134,9 +135,8 @@ def _class_source(cls) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _classes_in(path: str) -> dict[str, str]:
-    """{qualified name: source} of every class defined in a Python file."""
-    text = Path(path).read_text(encoding="utf-8")
-    lines, found = text.splitlines(keepends=True), {}
+    """{qualified name: source} of every class defined in a Python file (its lines as inspect reads them)."""
+    lines, found = linecache.getlines(path), {}
 
     def visit(node, prefix: str) -> None:
         for child in ast.iter_child_nodes(node):
@@ -146,7 +146,7 @@ def _classes_in(path: str) -> dict[str, str]:
                 visit(child, f"{prefix}{child.name}.")
             elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 visit(child, f"{prefix}{child.name}.<locals>.")
-    visit(ast.parse(text, path), "")
+    visit(ast.parse("".join(lines), path), "")
     return found
 
 
