@@ -32,6 +32,12 @@ import numpy as np
 
 from retropipe.data.errors import StageError
 
+# The exit code of a stage a scheduler's signal stopped (SIGTERM, SIGUSR1): EX_TEMPFAIL of
+# sysexits.h, "try again later". Distinct from a failure (1) and a refused config (2), so a requeue
+# policy can tell them apart; the same command run again resumes (training's checkpoint, or the
+# finished work units of a data or retrieval stage).
+PREEMPTED = 75
+
 
 def tmp_path(path: Path) -> Path:
     return Path(path).with_name(Path(path).name + ".tmp")
@@ -140,9 +146,11 @@ KILL_NODE_ENV = "RETROPIPE_KILL_NODE_AFTER"
 
 
 def fault_point(stage: str, units_done: int) -> None:
-    """Die here if RETROPIPE_KILL_AFTER names this stage and this many finished units."""
-    if os.environ.get(KILL_AFTER_ENV) == f"{stage}:{units_done}":
-        os.kill(os.getpid(), signal.SIGKILL)
+    """Die here (SIGKILL) if RETROPIPE_KILL_AFTER names this stage and this many finished units;
+    `stage:units:SIGTERM` sends that signal instead, as a scheduler would, at a known point."""
+    parts = os.environ.get(KILL_AFTER_ENV, "").split(":")
+    if parts[:2] == [stage, str(units_done)]:
+        os.kill(os.getpid(), signal.Signals[parts[2]] if len(parts) > 2 else signal.SIGKILL)
 
 
 # executor(fn, iterable of argument tuples, max_in_flight) -> iterator of fn(*args), in any order.

@@ -13,13 +13,16 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
 import sys
 
 import yaml
 
 from retropipe.data.errors import ConfigError
+from retropipe.data.stage import PREEMPTED
 from retropipe.launch.config import Config, load_config
 
 
@@ -95,3 +98,40 @@ def quiet_engines(verbose: bool) -> None:
         # A local Ray's notice that it turned token authentication on (it listens on this machine
         # only and stops with the command): news to nobody running a RetroPipe CLI.
         logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+
+
+# What schedulers send before they kill: Slurm (scancel, preemption, --signal=USR1@T), Kubernetes, spot reclaims.
+SCHEDULER_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class Stopped(Exception):
+    """A scheduler's signal (SIGTERM, SIGUSR1) ended a data or retrieval stage, raised in the main
+    thread where it was when the signal came. Everything on disk is whole (data/stage.py writes
+    through temp files) and the finished work units are kept: the same command resumes."""
+
+    def __init__(self, signum: int):
+        self.signum, self.signal_name = int(signum), signal.Signals(signum).name
+        super().__init__(self.signal_name)
+
+    def line(self, entry: str) -> str:
+        return (f"{entry}: stopped by {self.signal_name}; the finished work is kept: rerun the same command "
+                f"to resume (exit {PREEMPTED})")
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+    """Within: SIGTERM and SIGUSR1 raise `Stopped` in the main thread (enter from it; the Ray
+    executor takes them back from ray.init, launch/ray_utils.py). The handlers before are restored."""
+    def stop(signum, frame):
+        for each in SCHEDULER_SIGNALS:  # one stop: a second signal must not cut the clean-up short
+            signal.signal(each, signal.SIG_IGN)
+        raise Stopped(signum)
+
+    previous = {signum: signal.getsignal(signum) for signum in SCHEDULER_SIGNALS}
+    for signum in SCHEDULER_SIGNALS:
+        signal.signal(signum, stop)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)

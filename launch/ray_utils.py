@@ -20,13 +20,16 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
+import threading
 from collections import Counter
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from retropipe.data.errors import ConfigError, DataError
 from retropipe.data.stage import write_json
+from retropipe.launch.cli import SCHEDULER_SIGNALS
 
 
 class ClusterError(RuntimeError):
@@ -67,12 +70,48 @@ def check_reachable(address: str) -> None:
     if resolved is None:  # "local": ray.init starts one
         return
     host, port = resolved.rsplit(":", 1)
+    at = address if resolved == address else f"{address} ({resolved})"
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=REACH_TIMEOUT).close()
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=REACH_TIMEOUT) as sock:
+            grpc = speaks_http2(sock)
     except OSError as e:
-        at = address if resolved == address else f"{address} ({resolved})"
         raise ClusterError(f"cannot reach the Ray cluster at {at}: {e.strerror or e}; is it running? "
                            f"(`ray status --address {resolved}`)") from None
+    if not grpc:
+        raise ClusterError(f"something listens at {at}, but not a Ray cluster's GCS (it does not answer as a gRPC "
+                           f"server): is it the dashboard's port? --address takes the GCS address, HOST:6379 unless "
+                           f"`ray start --head --port` chose another (`ray job submit --address` is the one that takes "
+                           f"the dashboard's http://HOST:8265)")
+
+
+# The client's opening of an HTTP/2 connection (RFC 9113 §3.4) and an empty SETTINGS frame.
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+
+
+def speaks_http2(sock: socket.socket) -> bool:
+    """True where the server answers as gRPC servers (Ray's GCS) do: its first frame is SETTINGS.
+    Anything else that listens (an HTTP/1 server such as the dashboard, a database) answers with
+    something else or closes; one that says nothing within REACH_TIMEOUT raises TimeoutError. With
+    TLS (RAY_USE_TLS) the check is left to Ray."""
+    if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+        return True
+    sock.sendall(HTTP2_PREFACE)
+    header = b""
+    while len(header) < 9:
+        more = sock.recv(9 - len(header))
+        if not more:
+            return False
+        header += more
+    return header[3] == 4  # the frame type: SETTINGS
+
+
+def signal_handlers() -> dict:
+    """This process's own Python handlers of the signals a scheduler sends (main thread only; the
+    default actions are left as ray.init sets them)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    handlers = {signum: signal.getsignal(signum) for signum in SCHEDULER_SIGNALS}
+    return {signum: handler for signum, handler in handlers.items() if callable(handler)}
 
 
 def _placed(fn: Callable, *args):
@@ -95,6 +134,7 @@ class RayExecutor:
         from ray.exceptions import AuthenticationError
 
         if not ray.is_initialized():
+            handlers = signal_handlers()
             os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
             address = self.address or os.environ.get("RAY_ADDRESS") or None
             quiet = {"logging_level": logging.WARNING, "log_to_driver": True}
@@ -112,6 +152,10 @@ class RayExecutor:
                     reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
                     raise ClusterError(f"cannot join the Ray cluster at {address} ({reason}); "
                                        f"{join_hint(address)}") from None
+            # ray.init makes SIGTERM a sys.exit, and its core worker prints a C++ stack dump for it:
+            # the entry point's own handlers (launch/cli.py, stop_on_signals) are put back.
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
             self.started = True
         return ray
 

@@ -166,6 +166,26 @@ def test_resume_after_sigkill(tmp_path):
     assert resumed["fingerprint"] == run(cfg, tmp_path / "clean")["fingerprint"]
 
 
+def test_a_schedulers_sigterm_stops_prepare_data_in_one_line_and_the_rerun_resumes(tmp_path):
+    """SIGTERM to the driver of a local Ray (a Kubernetes eviction, `timeout`, a user's kill) after
+    its third block: exit 75 with one line saying how to resume, not Ray's C++ signal dump."""
+    corpus = write_jsonl(tmp_path / "c.jsonl", docs(300, words=60))
+    cmd = [sys.executable, "launch/prepare_data.py", "--config", "configs/tiny.yaml", "--no-progress",
+           "--set", f"workdir={tmp_path}", "--set", f"data.corpus={corpus}", "--set", "data.docs_per_shard=40"]
+    env = {**os.environ, "RETROPIPE_KILL_AFTER": "prepare:3:SIGTERM"}
+    stopped = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    last = stopped.stderr.strip().splitlines()[-1]
+    assert stopped.returncode == 75 and last == ("prepare_data: stopped by SIGTERM; the finished work is kept: "
+                                                 "rerun the same command to resume (exit 75)"), stopped.stderr[-3000:]
+    assert "SIGTERM received" not in stopped.stderr and "Traceback" not in stopped.stderr, stopped.stderr[-3000:]
+    assert not (tmp_path / "data" / "manifest.json").exists() and not list(tmp_path.rglob("*.tmp"))
+    resumed = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "blocks resumed: 3" in resumed.stdout, resumed.stdout
+    clean = run(DataConfig(corpus=str(corpus), docs_per_shard=40), tmp_path / "clean")
+    assert ChunkStore(tmp_path / "data").manifest["fingerprint"] == clean["fingerprint"]
+
+
 def test_different_config_into_same_directory_is_refused(tmp_path):
     corpus = str(write_jsonl(tmp_path / "c.jsonl", docs(20)))
     run(DataConfig(corpus=corpus), tmp_path / "out")

@@ -12,12 +12,15 @@ The commands run in a private HOME (its own ~/.ray/auth_token) and temp dir, on 
 virtual environment first on PATH, as if activated; the machine's ~/.ray is never touched.
 """
 
+import http.server
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -273,12 +276,30 @@ def test_a_model_the_actors_cannot_load_is_one_line_naming_the_key(built, tmp_pa
 
 def test_an_address_where_no_cluster_listens_fails_at_once(tmp_path):
     """ray.init would retry an unreachable GCS for minutes; the entry point says so in one line."""
-    cmd = [PY, "launch/prepare_data.py", "--config", "configs/tiny.yaml", "--no-progress",
-           "--address", f"127.0.0.1:{free_port()}", "--set", f"workdir={tmp_path}"]   # nothing listens there
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    with socket.socket() as held:  # bound, never listening: no other process can take the port meanwhile
+        held.bind(("0.0.0.0", 0))
+        cmd = [PY, "launch/prepare_data.py", "--config", "configs/tiny.yaml", "--no-progress",
+               "--address", f"127.0.0.1:{held.getsockname()[1]}", "--set", f"workdir={tmp_path}"]
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     last = done.stderr.strip().splitlines()[-1]
     assert done.returncode == 2 and last.startswith("prepare_data: error: cannot reach the Ray cluster at 127.0.0.1:"), last
     assert "ray status --address" in last and not (tmp_path / "data" / "manifest.json").exists()
+
+
+def test_an_address_where_an_http_server_listens_fails_at_once_naming_the_dashboard(tmp_path):
+    """An HTTP server where the GCS belongs (the dashboard's port, which `ray job submit` takes, is
+    the likely mix-up): something listens, so ray.init would wait for a GCS there for minutes."""
+    server = http.server.HTTPServer(("0.0.0.0", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        cmd = [PY, "launch/prepare_data.py", "--config", "configs/tiny.yaml", "--no-progress",
+               "--address", f"127.0.0.1:{server.server_port}", "--set", f"workdir={tmp_path}"]
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    finally:
+        server.shutdown()
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2 and last.startswith("prepare_data: error: something listens at 127.0.0.1:"), last
+    assert "not a Ray cluster's GCS" in last and "the dashboard's http://HOST:8265" in last
 
 
 def test_a_ray_client_address_is_left_to_ray(monkeypatch):

@@ -29,9 +29,8 @@ import time
 import torch
 import torch.distributed as dist
 
-# The exit code of a preempted rank: EX_TEMPFAIL of sysexits.h, "try again later". Distinct from a
-# failure (1) and a refused config (2), so a requeue policy can tell them apart.
-PREEMPTED = 75
+from retropipe.data.stage import PREEMPTED  # the exit code of a preempted rank (and of any stopped stage)
+
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
