@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -40,7 +41,8 @@ from pathlib import Path
 import torch
 import yaml
 
-from retropipe.launch.cli import config_from_args, engines_verbose, entry_parser, quiet_engines
+from retropipe.data.stage import PREEMPTED
+from retropipe.launch.cli import SCHEDULER_SIGNALS, config_from_args, engines_verbose, entry_parser, quiet_engines
 from retropipe.launch.config import load_config
 from retropipe.launch.train import as_run, run_dir_of
 from retropipe.training.run.hardware import too_few_gpus
@@ -167,7 +169,8 @@ def nproc_refused(nproc: int, cfg) -> str | None:
 
 
 def run_stages(plan: list[tuple[str, list[str]]], workdir: Path, report: Path) -> int:
-    """Each stage's command in turn, timed; the first that fails stops the demo (exit code 1)."""
+    """Each stage's command in turn, timed; the first that fails stops the demo (exit code 1, or
+    75 where a signal stopped it)."""
     # Not offline mode: the defaults need no network (bundled files), and a hub name given with
     # --set is fetched as the user asked.
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"}
@@ -175,7 +178,12 @@ def run_stages(plan: list[tuple[str, list[str]]], workdir: Path, report: Path) -
     for name, cmd in plan:
         print(f"\n=== {name}: {' '.join(Path(c).name if i == 0 else c for i, c in enumerate(cmd))}", flush=True)
         start = time.perf_counter()
-        if subprocess.run(cmd, cwd=ROOT, env=env).returncode != 0:
+        code = run_stage(cmd, env)
+        if code == PREEMPTED:
+            print(f"demo: stopped by a signal in stage '{name}'; rerun the same command to resume: "
+                  f"{' '.join(sys.argv)}", file=sys.stderr)
+            return PREEMPTED
+        if code != 0:
             print(f"demo: stage '{name}' failed (its output is above); rerun the same command to resume: "
                   f"{' '.join(sys.argv)}", file=sys.stderr)
             return 1
@@ -183,6 +191,20 @@ def run_stages(plan: list[tuple[str, list[str]]], workdir: Path, report: Path) -
     print(f"\ndemo: done in {(time.perf_counter() - began) / 60:.1f} min; everything is under {workdir}")
     print(f"report: {report}")
     return 0
+
+
+def run_stage(cmd: list[str], env: dict) -> int:
+    """The stage's exit code. A scheduler's signal to the demo alone goes on to the stage, which
+    stops as it would stop by itself (exit 75, its work kept), and the demo waits for it: a stage
+    is never left running without its demo."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
+    previous = {signum: signal.signal(signum, lambda signum, frame: proc.send_signal(signum))
+                for signum in SCHEDULER_SIGNALS}
+    try:
+        return proc.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 if __name__ == "__main__":

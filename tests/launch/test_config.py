@@ -1,7 +1,9 @@
 """Config composition: YAML + --set overrides, unknown keys, types and cross-section rules."""
 
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -232,3 +234,30 @@ def test_eval_precision_auto_follows_the_device(monkeypatch, kernels_unheld):
     assert scoring_precision_on("auto", "cpu") == "bf16" and scoring_precision_on("fp32", "cpu") == "fp32"
     with pytest.raises(ValueError, match="eval.precision 'auto'"):
         evaluate_models([], [], None, EvalConfig())
+
+
+# A stage that stops as RetroPipe's stages do on a scheduler's signal: it notes the signal, exits 75.
+STOPPING_STAGE = """
+import signal, sys, time
+from pathlib import Path
+signal.signal(signal.SIGTERM, lambda *a: (Path(sys.argv[1]).write_text("got SIGTERM"), sys.exit(75)))
+Path(sys.argv[1] + ".ready").touch()
+time.sleep(60)
+"""
+
+
+def test_a_signal_to_the_demo_stops_its_running_stage_and_the_demo_says_how_to_resume(tmp_path):
+    """`kill <demo>` (the demo alone, as Kubernetes signals a container's first process): the stage
+    running then gets the signal too and is waited for; the demo exits 75, leaving nothing running."""
+    marker = tmp_path / "stage"
+    driver = ("import sys; from pathlib import Path; from retropipe.launch.demo import run_stages; "
+              f"sys.exit(run_stages([('a stage', [sys.executable, '-c', {STOPPING_STAGE!r}, {str(marker)!r}])], "
+              f"Path({str(tmp_path)!r}), Path({str(tmp_path / 'report.md')!r})))")
+    demo = subprocess.Popen([sys.executable, "-c", driver], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not (tmp_path / "stage.ready").exists() and time.time() < deadline:
+        time.sleep(0.1)
+    demo.send_signal(signal.SIGTERM)
+    _, err = demo.communicate(timeout=60)
+    assert demo.returncode == 75 and marker.read_text() == "got SIGTERM", err
+    assert "demo: stopped by a signal in stage 'a stage'; rerun the same command to resume" in err
