@@ -22,7 +22,7 @@ from retropipe.data.errors import ConfigError
 from retropipe.retrieval.config import RetrievalConfig
 from retropipe.training.evaluation.config import EvalConfig
 from retropipe.training.models.config import ModelConfig
-from retropipe.training.run.config import TrainConfig
+from retropipe.training.run.config import TrainConfig, resolve_auto_lessons
 
 
 @dataclass
@@ -67,7 +67,15 @@ def _check_type(key: str, value, hint, source: str):
         args = typing.get_args(hint)
         if value is None and type(None) in args:
             return None
-        hint = next(a for a in args if a is not type(None))
+        kinds = [a for a in args if a is not type(None)]
+        if len(kinds) > 1:  # e.g. float | str: a share or "auto"; the section's own check says which strings
+            for kind in kinds:
+                try:
+                    return _check_type(key, value, kind, source)
+                except ConfigError:
+                    pass
+            raise ConfigError(key, f"expected {' or '.join(k.__name__ for k in kinds)}, got {value!r}", source)
+        hint = kinds[0]
         origin = typing.get_origin(hint)
     if origin in (list, tuple):
         (item,) = typing.get_args(hint)[:1] or (object,)
@@ -172,6 +180,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequenc
             continue
         kwargs[name] = _build_section(name, values or {}, sources.get(name, "--set"))
     cfg = Config(**kwargs)
+    cfg.train = resolve_auto_lessons(cfg.train, cfg.model.kind, cfg.retrieval.method)
     _validate_across_sections(cfg, str(path) if path else "--set")
     return cfg
 

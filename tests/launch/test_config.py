@@ -261,3 +261,23 @@ def test_a_signal_to_the_demo_stops_its_running_stage_and_the_demo_says_how_to_r
     _, err = demo.communicate(timeout=60)
     assert demo.returncode == 75 and marker.read_text() == "got SIGTERM", err
     assert "demo: stopped by a signal in stage 'a stage'; rerun the same command to resume" in err
+
+
+@pytest.mark.parametrize("sets, share", [
+    ([], 0.0),                                                              # GPT-2: no neighbours to learn from
+    (["model.kind=retro"], 0.0),                                            # dense neighbours
+    (["model.kind=retro", "retrieval.method=bm25"], 0.1),                   # lexical: LEXICAL_DISTRACTORS
+    (["model.kind=retro", "retrieval.method=hybrid"], 0.1),
+    (["model.kind=retro", "retrieval.method=bm25", "train.self_neighbours=0.95"], 0.05),   # room left to 1
+    (["model.kind=retro", "retrieval.method=bm25", "train.distractor_neighbours=0"], 0.0),  # the user's own
+])
+def test_distractor_lessons_auto_follow_the_retrieval_method(sets, share, tmp_path):
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", sets)
+    assert cfg.train.distractor_neighbours == share and cfg.train.lessons.distractor == share
+    save_config(cfg, tmp_path)  # a run records the share it trained with, not "auto"
+    assert f"distractor_neighbours: {share}" in (tmp_path / "config.yaml").read_text()
+
+
+def test_distractor_lessons_refuse_another_word_naming_the_key():
+    with pytest.raises(ConfigError, match="train.distractor_neighbours.*a share in \\[0, 1\\] or 'auto', got 'some'"):
+        load_config(ROOT / "configs" / "tiny.yaml", ["train.distractor_neighbours=some"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -85,9 +86,11 @@ class TrainConfig:
     # Shares of training chunks whose first neighbour is the chunk itself diverging, from a random
     # token of its continuation on, into another document's text; and another document's chunk
     # (RETRO only): lessons in not copying what stops matching, or never matched
-    # (training/run/lessons.py). The three shares add up to at most 1.
+    # (training/run/lessons.py). The three shares add up to at most 1. distractor_neighbours
+    # "auto": LEXICAL_DISTRACTORS for RETRO reading bm25 or hybrid neighbours, else 0 (resolved
+    # by `resolve_auto_lessons` as the config loads).
     diverging_neighbours: float = 0.0
-    distractor_neighbours: float = 0.0
+    distractor_neighbours: float | str = "auto"
     # Start from this GPT-2 checkpoint (ours or a Hugging Face directory); with
     # model.freeze_trunk it is a RETRO-fit: only chunked cross-attention and encoder train.
     init_from: str = ""
@@ -123,11 +126,7 @@ class TrainConfig:
         require(self.precision in ("auto", "bf16", "fp16", "fp32"), "train.precision",
                 f"must be 'auto', 'bf16', 'fp16' or 'fp32', got {self.precision!r}")
         require(0 < self.lr and 0 <= self.min_lr <= self.lr, "train.min_lr", "need 0 <= min_lr <= lr, lr > 0")
-        for key in ("self_neighbours", "diverging_neighbours", "distractor_neighbours"):
-            require(0.0 <= getattr(self, key) <= 1.0, f"train.{key}", f"must lie in [0, 1], got {getattr(self, key)}")
-        require(self.self_neighbours + self.diverging_neighbours + self.distractor_neighbours <= 1.0,
-                "train.distractor_neighbours", "train.self_neighbours, diverging_neighbours and distractor_neighbours "
-                "add up to more than 1")
+        self._check_lessons()
         require(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
         require(self.global_batch >= 0, "train.global_batch", f"must be >= 0 (0: micro-batches × replicas), "
                 f"got {self.global_batch}")
@@ -141,11 +140,40 @@ class TrainConfig:
         require(isinstance(self.deepspeed, dict), "train.deepspeed",
                 f"must be a mapping of DeepSpeed config keys, got {self.deepspeed!r}")
 
+    def _check_lessons(self) -> None:
+        require(self.distractor_neighbours == "auto" or not isinstance(self.distractor_neighbours, str),
+                "train.distractor_neighbours", f"must be a share in [0, 1] or 'auto', got {self.distractor_neighbours!r}")
+        shares = {key: getattr(self, key) for key in ("self_neighbours", "diverging_neighbours", "distractor_neighbours")}
+        shares = {key: share for key, share in shares.items() if share != "auto"}
+        for key, share in shares.items():
+            require(0.0 <= share <= 1.0, f"train.{key}", f"must lie in [0, 1], got {share}")
+        require(sum(shares.values()) <= 1.0, "train.distractor_neighbours", "train.self_neighbours, "
+                "diverging_neighbours and distractor_neighbours add up to more than 1")
+
     @property
     def lessons(self) -> Lessons:
-        """The lessons' shares (training/run/lessons.py)."""
+        """The lessons' shares (training/run/lessons.py); "auto" must have been resolved."""
+        if self.distractor_neighbours == "auto":
+            raise ValueError("train.distractor_neighbours 'auto' is resolved as the config loads (resolve_auto_lessons)")
         return Lessons(self.self_neighbours, self.diverging_neighbours, self.distractor_neighbours)
 
     def resolved_dist_timeout(self, device: str) -> float:
         """dist_timeout in seconds on this device ("cuda" or "cpu")."""
         return self.dist_timeout or self.AUTO_DIST_TIMEOUT[device]
+
+
+# The share of distractor lessons that "auto" gives RETRO reading lexical neighbours. BM25 finds
+# chunks that share words with the query but not its text (the same identifiers in other code);
+# without lessons RETRO leaned on them: SHUFFLED cost +2.0-2.1% over OFF. A tenth brought it to
+# +1.4-1.7% and lowered RETRO[ON] on both seeds (docs/results.md, "Design decisions"); dense
+# neighbours gained nothing from them (at 0.25 they cost gain on the demo).
+LEXICAL_DISTRACTORS = 0.1
+
+
+def resolve_auto_lessons(train: TrainConfig, model_kind: str, retrieval_method: str) -> TrainConfig:
+    """The train section with distractor_neighbours "auto" made a share (validated again)."""
+    if train.distractor_neighbours != "auto":
+        return train
+    share = LEXICAL_DISTRACTORS if model_kind == "retro" and retrieval_method in ("bm25", "hybrid") else 0.0
+    room = max(1.0 - train.self_neighbours - train.diverging_neighbours, 0.0)  # the shares add up to at most 1
+    return dataclasses.replace(train, distractor_neighbours=round(min(share, room), 6))
