@@ -18,8 +18,7 @@ from pathlib import Path
 
 from retropipe.data.errors import ConfigError, DataError, TokenizerError
 from retropipe.data.store import ChunkStore
-from retropipe.data.stage import PREEMPTED
-from retropipe.launch.cli import Stopped, config_from_args, entry_parser, quiet_engines, stop_on_signals
+from retropipe.launch.cli import config_from_args, entry_parser, quiet_engines, run_stopping
 from retropipe.launch.config import save_config
 from retropipe.launch.ray_utils import ClusterError, RayExecutor, record_work, work_summary
 from retropipe.retrieval import RetrievalError
@@ -50,8 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = entry_parser(__doc__, ray=True)
     args = parser.parse_args(argv)
     quiet_engines(args.verbose)
-    with stop_on_signals():
-        return build(args)
+    return run_stopping("build_index", lambda: build(args))
 
 
 def build(args) -> int:
@@ -74,11 +72,6 @@ def build(args) -> int:
             executor.close()
         print(f"build_index: error: {e}", file=sys.stderr)
         return 2
-    except Stopped as stopped:
-        if executor is not None:
-            executor.close()
-        print(stopped.line("build_index"), file=sys.stderr)
-        return PREEMPTED
     finally:
         if executor is not None:
             executor.close()

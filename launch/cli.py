@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import sys
+from typing import Callable
 
 import yaml
 
@@ -104,10 +105,14 @@ def quiet_engines(verbose: bool) -> None:
 SCHEDULER_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
-class Stopped(Exception):
+class Stopped(KeyboardInterrupt):
     """A scheduler's signal (SIGTERM, SIGUSR1) ended a data or retrieval stage, raised in the main
     thread where it was when the signal came. Everything on disk is whole (data/stage.py writes
-    through temp files) and the finished work units are kept: the same command resumes."""
+    through temp files) and the finished work units are kept: the same command resumes.
+
+    A KeyboardInterrupt, as Ctrl-C's is: Ray's waits (ray.get, ray.wait) end at once for one and
+    for nothing else, raising a plain KeyboardInterrupt in its place (`stopped` finds the signal
+    behind it), and no `except Exception` on the way takes a stop for an error."""
 
     def __init__(self, signum: int):
         self.signum, self.signal_name = int(signum), signal.Signals(signum).name
@@ -118,15 +123,35 @@ class Stopped(Exception):
                 f"to resume (exit {PREEMPTED})")
 
 
+_stops: list[Stopped] = []   # the stop requested within stop_on_signals, for `stopped`
+
+
+def request_stop(signum: int) -> Stopped:
+    """Record a stop (the first signal's) and return it to raise; later signals are ignored, so
+    that they cannot cut the clean-up short."""
+    for each in SCHEDULER_SIGNALS:
+        signal.signal(each, signal.SIG_IGN)
+    if not _stops:
+        _stops.append(Stopped(signum))
+    return _stops[0]
+
+
+def stopped(error: BaseException) -> Stopped | None:
+    """The stop behind `error`: itself, or the KeyboardInterrupt a Ray wait raised in its place;
+    None for Ctrl-C."""
+    if isinstance(error, Stopped):
+        return error
+    return _stops[0] if isinstance(error, KeyboardInterrupt) and _stops else None
+
+
 @contextlib.contextmanager
 def stop_on_signals():
     """Within: SIGTERM and SIGUSR1 raise `Stopped` in the main thread (enter from it; the Ray
     executor takes them back from ray.init, launch/ray_utils.py). The handlers before are restored."""
     def stop(signum, frame):
-        for each in SCHEDULER_SIGNALS:  # one stop: a second signal must not cut the clean-up short
-            signal.signal(each, signal.SIG_IGN)
-        raise Stopped(signum)
+        raise request_stop(signum)
 
+    _stops.clear()
     previous = {signum: signal.getsignal(signum) for signum in SCHEDULER_SIGNALS}
     for signum in SCHEDULER_SIGNALS:
         signal.signal(signum, stop)
@@ -135,3 +160,16 @@ def stop_on_signals():
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+
+
+def run_stopping(entry: str, work: Callable[[], int]) -> int:
+    """work()'s exit code, within stop_on_signals; a stop is one line and PREEMPTED."""
+    try:
+        with stop_on_signals():
+            return work()
+    except KeyboardInterrupt as e:
+        stop = stopped(e)
+        if stop is None:
+            raise
+        print(stop.line(entry), file=sys.stderr)
+        return PREEMPTED

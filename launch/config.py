@@ -180,7 +180,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequenc
             continue
         kwargs[name] = _build_section(name, values or {}, sources.get(name, "--set"))
     cfg = Config(**kwargs)
-    cfg.train = resolve_auto_lessons(cfg.train, cfg.model.kind, cfg.retrieval.method)
+    cfg.train = resolve_auto_lessons(cfg.train, cfg.model.retrieves or cfg.model.in_context > 0, cfg.retrieval.method)
     _validate_across_sections(cfg, str(path) if path else "--set")
     return cfg
 

@@ -194,17 +194,44 @@ def run_stages(plan: list[tuple[str, list[str]]], workdir: Path, report: Path) -
 
 
 def run_stage(cmd: list[str], env: dict) -> int:
-    """The stage's exit code. A scheduler's signal to the demo alone goes on to the stage, which
-    stops as it would stop by itself (exit 75, its work kept), and the demo waits for it: a stage
-    is never left running without its demo."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
-    previous = {signum: signal.signal(signum, lambda signum, frame: proc.send_signal(signum))
-                for signum in SCHEDULER_SIGNALS}
+    """The stage's exit code; PREEMPTED where a signal to the demo stopped it.
+
+    The stage runs in a session of its own, and a scheduler's signal or Ctrl-C to the demo goes
+    on to it: it stops as it would by itself (its work kept), and the demo waits for it, so that
+    no stage is left running without its demo. DeepSpeed's launcher passes nothing on from one
+    node's runner, so a training stage's every process gets the signal; a Ray stage's driver alone,
+    which then stops its local Ray (a raylet that got it too would take the driver down first)."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)
+    launcher, came = Path(cmd[0]).name == "deepspeed", []
+
+    def forward(signum, frame):
+        came.append(signum)
+        os.killpg(proc.pid, signum) if launcher else proc.send_signal(signum)
+
+    previous = {signum: signal.signal(signum, forward) for signum in (*SCHEDULER_SIGNALS, signal.SIGINT)}
     try:
-        return proc.wait()
+        code = proc.wait()
+        if came and launcher:
+            wait_for_group(proc.pid, timeout=STAGE_GRACE)  # the ranks write their checkpoint
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+    return PREEMPTED if came else code
+
+
+# Seconds a stopped training stage's ranks get to finish their step and checkpoint (train.preempt_grace's default).
+STAGE_GRACE = 60.0
+
+
+def wait_for_group(pgid: int, timeout: float) -> None:
+    """Until no process of the group `pgid` is left (or timeout seconds)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,7 @@ import sys
 
 from retropipe.data.errors import ConfigError, DataError, TokenizerError
 from retropipe.data.prepare import prepare, summary
-from retropipe.data.stage import PREEMPTED
-from retropipe.launch.cli import Stopped, config_from_args, entry_parser, quiet_engines, stop_on_signals
+from retropipe.launch.cli import config_from_args, entry_parser, quiet_engines, run_stopping
 from retropipe.launch.config import save_config
 from retropipe.launch.ray_utils import ClusterError, RayExecutor, record_work, work_summary
 
@@ -22,8 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = entry_parser(__doc__, ray=True)
     args = parser.parse_args(argv)
     quiet_engines(args.verbose)
-    with stop_on_signals():
-        return prepare_stage(args)
+    return run_stopping("prepare_data", lambda: prepare_stage(args))
 
 
 def prepare_stage(args) -> int:
@@ -38,11 +36,6 @@ def prepare_stage(args) -> int:
     except (ConfigError, DataError, TokenizerError, ClusterError) as e:
         print(f"prepare_data: error: {e}", file=sys.stderr)
         return 2
-    except Stopped as stopped:
-        if executor is not None:
-            executor.close()
-        print(stopped.line("prepare_data"), file=sys.stderr)
-        return PREEMPTED
     finally:
         if executor is not None:
             executor.close()

@@ -29,7 +29,7 @@ from typing import Callable, Iterable, Iterator
 
 from retropipe.data.errors import ConfigError, DataError
 from retropipe.data.stage import write_json
-from retropipe.launch.cli import SCHEDULER_SIGNALS
+from retropipe.launch.cli import SCHEDULER_SIGNALS, request_stop
 
 
 class ClusterError(RuntimeError):
@@ -131,33 +131,47 @@ class RayExecutor:
 
     def ensure_started(self):
         import ray  # local: Ray loads here, as the session starts (module docstring)
-        from ray.exceptions import AuthenticationError
 
         if not ray.is_initialized():
+            # ray.init makes SIGTERM a sys.exit as it begins, and its core worker prints a C++
+            # stack dump for it: the entry point's own handlers (launch/cli.py) are put back after.
             handlers = signal_handlers()
-            os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
-            address = self.address or os.environ.get("RAY_ADDRESS") or None
-            quiet = {"logging_level": logging.WARNING, "log_to_driver": True}
-            if address is None:
-                # No metrics: nothing here reads them (no dashboard), and Ray's metrics thread could
-                # crash a worker as Ray reaped it, a segmentation fault printed mid-build
-                # (ray-project/ray#36885 and its kin; seen once in `make demo`).
-                ray.init(address="local", include_dashboard=False, num_cpus=self.num_cpus,
-                         _system_config={"enable_metrics_collection": False}, **quiet)
-            else:
-                check_reachable(address)
-                try:
-                    ray.init(address=address, **quiet)
-                except (ConnectionError, AuthenticationError) as e:
-                    reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-                    raise ClusterError(f"cannot join the Ray cluster at {address} ({reason}); "
-                                       f"{join_hint(address)}") from None
-            # ray.init makes SIGTERM a sys.exit, and its core worker prints a C++ stack dump for it:
-            # the entry point's own handlers (launch/cli.py, stop_on_signals) are put back.
-            for signum, handler in handlers.items():
-                signal.signal(signum, handler)
+            try:
+                self._init(ray)
+            except SystemExit as e:    # Ray's handler: a SIGTERM came during ray.init
+                if e.code != signal.SIGTERM or signal.SIGTERM not in handlers:
+                    raise
+                ray.shutdown()
+                raise request_stop(signal.SIGTERM) from None
+            except KeyboardInterrupt:  # a stop (SIGUSR1) or Ctrl-C during ray.init
+                ray.shutdown()
+                raise
+            finally:
+                for signum, handler in handlers.items():
+                    signal.signal(signum, handler)
             self.started = True
         return ray
+
+    def _init(self, ray) -> None:
+        from ray.exceptions import AuthenticationError
+
+        os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+        address = self.address or os.environ.get("RAY_ADDRESS") or None
+        quiet = {"logging_level": logging.WARNING, "log_to_driver": True}
+        if address is None:
+            # No metrics: nothing here reads them (no dashboard), and Ray's metrics thread could
+            # crash a worker as Ray reaped it, a segmentation fault printed mid-build
+            # (ray-project/ray#36885 and its kin; seen once in `make demo`).
+            ray.init(address="local", include_dashboard=False, num_cpus=self.num_cpus,
+                     _system_config={"enable_metrics_collection": False}, **quiet)
+            return
+        check_reachable(address)
+        try:
+            ray.init(address=address, **quiet)
+        except (ConnectionError, AuthenticationError) as e:
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ClusterError(f"cannot join the Ray cluster at {address} ({reason}); "
+                               f"{join_hint(address)}") from None
 
     def __call__(self, fn: Callable, jobs: Iterable[tuple], max_in_flight: int) -> Iterator:
         """Run fn(*args) for every args in jobs with at most max_in_flight tasks at once.

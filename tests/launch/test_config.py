@@ -1,5 +1,6 @@
 """Config composition: YAML + --set overrides, unknown keys, types and cross-section rules."""
 
+import shlex
 import signal
 import subprocess
 import sys
@@ -236,30 +237,42 @@ def test_eval_precision_auto_follows_the_device(monkeypatch, kernels_unheld):
         evaluate_models([], [], None, EvalConfig())
 
 
-# A stage that stops as RetroPipe's stages do on a scheduler's signal: it notes the signal, exits 75.
+# A stage (or a training rank) that stops as RetroPipe's do on a scheduler's signal: it takes a
+# moment (a checkpoint), notes the signal and exits 75.
 STOPPING_STAGE = """
 import signal, sys, time
 from pathlib import Path
-signal.signal(signal.SIGTERM, lambda *a: (Path(sys.argv[1]).write_text("got SIGTERM"), sys.exit(75)))
+def stop(*_):
+    time.sleep(1)
+    Path(sys.argv[1]).write_text("got SIGTERM")
+    sys.exit(75)
+signal.signal(signal.SIGTERM, stop)
 Path(sys.argv[1] + ".ready").touch()
 time.sleep(60)
 """
 
 
-def test_a_signal_to_the_demo_stops_its_running_stage_and_the_demo_says_how_to_resume(tmp_path):
+@pytest.mark.parametrize("launcher", [False, True])
+def test_a_signal_to_the_demo_stops_its_running_stage_and_the_demo_says_how_to_resume(tmp_path, launcher):
     """`kill <demo>` (the demo alone, as Kubernetes signals a container's first process): the stage
-    running then gets the signal too and is waited for; the demo exits 75, leaving nothing running."""
+    running then gets the signal too and is waited for; the demo exits 75, leaving nothing running.
+    A launcher named deepspeed that dies at the signal, passing nothing on (DeepSpeed's runner on
+    one node): its rank gets the signal all the same, and the demo waits for its checkpoint."""
     marker = tmp_path / "stage"
+    stage = [sys.executable, "-c", STOPPING_STAGE, str(marker)]
+    if launcher:
+        (tmp_path / "deepspeed").write_text(f"#!/bin/sh\n{' '.join(map(shlex.quote, stage))} &\nwait\n")
+        (tmp_path / "deepspeed").chmod(0o755)
+        stage = [str(tmp_path / "deepspeed")]
     driver = ("import sys; from pathlib import Path; from retropipe.launch.demo import run_stages; "
-              f"sys.exit(run_stages([('a stage', [sys.executable, '-c', {STOPPING_STAGE!r}, {str(marker)!r}])], "
-              f"Path({str(tmp_path)!r}), Path({str(tmp_path / 'report.md')!r})))")
+              f"sys.exit(run_stages([('a stage', {stage!r})], Path({str(tmp_path)!r}), Path({str(tmp_path)!r})))")
     demo = subprocess.Popen([sys.executable, "-c", driver], cwd=ROOT, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
     while not (tmp_path / "stage.ready").exists() and time.time() < deadline:
         time.sleep(0.1)
     demo.send_signal(signal.SIGTERM)
     _, err = demo.communicate(timeout=60)
-    assert demo.returncode == 75 and marker.read_text() == "got SIGTERM", err
+    assert demo.returncode == 75 and marker.read_text() == "got SIGTERM", err  # the stage's stop is done
     assert "demo: stopped by a signal in stage 'a stage'; rerun the same command to resume" in err
 
 
@@ -268,7 +281,10 @@ def test_a_signal_to_the_demo_stops_its_running_stage_and_the_demo_says_how_to_r
     (["model.kind=retro"], 0.0),                                            # dense neighbours
     (["model.kind=retro", "retrieval.method=bm25"], 0.1),                   # lexical: LEXICAL_DISTRACTORS
     (["model.kind=retro", "retrieval.method=hybrid"], 0.1),
+    (["model.in_context=1", "retrieval.method=bm25"], 0.1),                 # GPT-2 reading them in context
     (["model.kind=retro", "retrieval.method=bm25", "train.self_neighbours=0.95"], 0.05),   # room left to 1
+    (["model.kind=retro", "retrieval.method=bm25", "train.self_neighbours=0.34",
+      "train.diverging_neighbours=0.56"], 0.1),                             # 0.34 + 0.56 + 0.1: 1 to rounding
     (["model.kind=retro", "retrieval.method=bm25", "train.distractor_neighbours=0"], 0.0),  # the user's own
 ])
 def test_distractor_lessons_auto_follow_the_retrieval_method(sets, share, tmp_path):

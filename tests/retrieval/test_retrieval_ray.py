@@ -302,6 +302,45 @@ def test_an_address_where_an_http_server_listens_fails_at_once_naming_the_dashbo
     assert "not a Ray cluster's GCS" in last and "the dashboard's http://HOST:8265" in last
 
 
+# A driver waiting in ray.wait on tasks that run long, as a build's driver waits on its embedding.
+WAITING_DRIVER = """
+import os, signal, sys, threading, time
+from pathlib import Path
+from retropipe.launch.cli import run_stopping
+from retropipe.launch.ray_utils import RayExecutor
+
+def task(marker):
+    Path(marker).touch()
+    time.sleep(120)
+
+def work():
+    executor = RayExecutor(num_cpus=1)
+    try:
+        return len(list(executor(task, [(sys.argv[1],)], 1)))
+    finally:
+        executor.close()
+
+def signal_when_running():
+    while not Path(sys.argv[1]).exists():
+        time.sleep(0.1)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+threading.Thread(target=signal_when_running, daemon=True).start()
+sys.exit(run_stopping("driver", work))
+"""
+
+
+def test_a_sigterm_while_the_driver_waits_on_ray_stops_it_at_once(tmp_path):
+    """Ray's waits end early for a KeyboardInterrupt alone (raising a plain one in its place): the
+    stop is one, and is found behind it; the driver does not wait out its 120 s task."""
+    begun = time.time()
+    done = subprocess.run([PY, "-c", WAITING_DRIVER, str(tmp_path / "running")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=100)
+    assert done.returncode == 75, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1].startswith("driver: stopped by SIGTERM; the finished work is kept")
+    assert "Traceback" not in done.stderr and time.time() - begun < 60, done.stderr[-3000:]
+
+
 def test_a_ray_client_address_is_left_to_ray(monkeypatch):
     """ray:// (Ray Client), given or read from RAY_ADDRESS for "auto", is not a host:port to check."""
     from retropipe.launch.ray_utils import check_reachable

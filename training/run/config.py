@@ -87,8 +87,8 @@ class TrainConfig:
     # token of its continuation on, into another document's text; and another document's chunk
     # (RETRO only): lessons in not copying what stops matching, or never matched
     # (training/run/lessons.py). The three shares add up to at most 1. distractor_neighbours
-    # "auto": LEXICAL_DISTRACTORS for RETRO reading bm25 or hybrid neighbours, else 0 (resolved
-    # by `resolve_auto_lessons` as the config loads).
+    # "auto": LEXICAL_DISTRACTORS for a model trained on bm25 or hybrid neighbours (RETRO, or a
+    # GPT-2 with them in context), else 0 (resolved by `resolve_auto_lessons` as the config loads).
     diverging_neighbours: float = 0.0
     distractor_neighbours: float | str = "auto"
     # Start from this GPT-2 checkpoint (ours or a Hugging Face directory); with
@@ -147,7 +147,7 @@ class TrainConfig:
         shares = {key: share for key, share in shares.items() if share != "auto"}
         for key, share in shares.items():
             require(0.0 <= share <= 1.0, f"train.{key}", f"must lie in [0, 1], got {share}")
-        require(sum(shares.values()) <= 1.0, "train.distractor_neighbours", "train.self_neighbours, "
+        require(sum(shares.values()) <= 1.0 + 1e-9, "train.distractor_neighbours", "train.self_neighbours, "
                 "diverging_neighbours and distractor_neighbours add up to more than 1")
 
     @property
@@ -170,10 +170,11 @@ class TrainConfig:
 LEXICAL_DISTRACTORS = 0.1
 
 
-def resolve_auto_lessons(train: TrainConfig, model_kind: str, retrieval_method: str) -> TrainConfig:
-    """The train section with distractor_neighbours "auto" made a share (validated again)."""
+def resolve_auto_lessons(train: TrainConfig, reads_neighbours: bool, retrieval_method: str) -> TrainConfig:
+    """The train section with distractor_neighbours "auto" made a share (validated again).
+    reads_neighbours: the model trains on neighbours (RETRO, or a GPT-2 with them in context)."""
     if train.distractor_neighbours != "auto":
         return train
-    share = LEXICAL_DISTRACTORS if model_kind == "retro" and retrieval_method in ("bm25", "hybrid") else 0.0
+    share = LEXICAL_DISTRACTORS if reads_neighbours and retrieval_method in ("bm25", "hybrid") else 0.0
     room = max(1.0 - train.self_neighbours - train.diverging_neighbours, 0.0)  # the shares add up to at most 1
     return dataclasses.replace(train, distractor_neighbours=round(min(share, room), 6))
