@@ -138,8 +138,12 @@ def test_demo_database_holds_the_second_edition_it_writes_first(tmp_path):
     cfg = load_config("configs/tiny.yaml", [*demo_overrides(tmp_path), f"workdir={tmp_path}"])
     assert cfg.retrieval.corpora == [str(edition_path(tmp_path))]
     assert cfg.eval.database_curve == [0, 0.5, 1]
-    mine = load_config("configs/tiny.yaml", [*demo_overrides(tmp_path), "eval.database_curve=[]"])
-    assert mine.eval.database_curve == []
+    # BM25 neighbours, the best measured, and RETRO's distractor lessons with them (auto)
+    assert cfg.retrieval.method == "bm25"
+    assert load_config("configs/tiny.yaml", [*demo_overrides(tmp_path), "model.kind=retro"]).train.lessons.distractor == 0.1
+    mine = load_config("configs/tiny.yaml", [*demo_overrides(tmp_path), "eval.database_curve=[]",
+                                             "retrieval.method=dense"])
+    assert mine.eval.database_curve == [] and mine.retrieval.method == "dense"
 
 
 def test_demo_trains_retro_from_the_baseline_it_trains_first(tmp_path):

@@ -42,6 +42,9 @@ ELASTIC_DIR = "elastic"
 # Keys of other sections that training reads although they do not change those sections' files
 # (alignment is applied when neighbours are read): they do change the run.
 TRAINING_READS = {"retrieval": ("align_neighbours",)}
+# train keys whose default is not what a run had before the key existed (a resolved config holds
+# a share; "auto" came later, and a run without the key had none).
+TRAIN_BEFORE_THE_FIELD = {"distractor_neighbours": 0.0}
 # A run with more steps is the same run extended (training/run/start.py), not another run.
 EXTENDS_THE_RUN = ("train.steps",)
 
@@ -69,7 +72,7 @@ def run_identity(cfg, cfg_dict: dict) -> dict:
         # A key added to RetroPipe after the run was made counts as its default, which is what
         # the run had: a run directory of an older version still resumes (or is still complete).
         # (BEFORE_THE_FIELD: where the default is not what a run had before the key existed.)
-        before = BEFORE_THE_FIELD if section == "model" else {}
+        before = {"model": BEFORE_THE_FIELD, "train": TRAIN_BEFORE_THE_FIELD}.get(section, {})
         values = {**section_defaults(getattr(cfg, section)), **before, **(cfg_dict.get(section) or {})}
         identity.update({f"{section}.{key}": value for key, value in values.items()
                          if key not in runtime and f"{section}.{key}" not in EXTENDS_THE_RUN})
