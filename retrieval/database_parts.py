@@ -97,6 +97,9 @@ class DatabaseVectors:
         """(len(ids), d) float32 embeddings of database ids."""
         ids = np.asarray(ids, dtype=np.int64)
         part = np.searchsorted(self._offsets, ids, side="right") - 1
+        if len(ids) and part[0] == part[-1] and (part == part[0]).all():  # one part: its rows, not a copy of
+            offset, emb = self.parts[part[0]]                            # them (the index's training sample)
+            return emb.rows("train", ids - offset)
         out = np.empty((len(ids), self.dim), dtype=np.float32)
         for p in np.unique(part):
             sel = part == p

@@ -153,6 +153,8 @@ def main(argv=None) -> int:
     wanted |= {"index"} if "neighbours" in wanted else set()
     wanted |= {"prepare"} if "index" in wanted else set()
     fits, begin = {}, time.perf_counter()
+    if args.workdir:
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         corpus = replicated_corpus(Path(tmp) / "corpus.jsonl", math.ceil(max(SIZES[args.mode]["data"])))
         for stage in (s for s in STAGES if s in wanted):
