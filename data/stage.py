@@ -37,6 +37,10 @@ from retropipe.data.errors import StageError
 # policy can tell them apart; the same command run again resumes (training's checkpoint, or the
 # finished work units of a data or retrieval stage).
 PREEMPTED = 75
+# What schedulers send before they kill: Slurm (scancel, preemption, --signal=USR1@T), Kubernetes
+# evictions, spot reclaims. Training (training/run/preemption.py) and the entry points
+# (launch/cli.py) stop on them.
+SCHEDULER_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 def tmp_path(path: Path) -> Path:

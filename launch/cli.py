@@ -23,7 +23,7 @@ from typing import Callable
 import yaml
 
 from retropipe.data.errors import ConfigError
-from retropipe.data.stage import PREEMPTED
+from retropipe.data.stage import PREEMPTED, SCHEDULER_SIGNALS
 from retropipe.launch.config import Config, load_config
 
 
@@ -101,10 +101,6 @@ def quiet_engines(verbose: bool) -> None:
         logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
 
 
-# What schedulers send before they kill: Slurm (scancel, preemption, --signal=USR1@T), Kubernetes, spot reclaims.
-SCHEDULER_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-
 class Stopped(KeyboardInterrupt):
     """A scheduler's signal (SIGTERM, SIGUSR1) ended a data or retrieval stage, raised in the main
     thread where it was when the signal came. Everything on disk is whole (data/stage.py writes
@@ -134,6 +130,10 @@ def request_stop(signum: int) -> Stopped:
     if not _stops:
         _stops.append(Stopped(signum))
     return _stops[0]
+
+
+def stop_requested() -> bool:
+    return bool(_stops)
 
 
 def stopped(error: BaseException) -> Stopped | None:

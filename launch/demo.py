@@ -41,10 +41,11 @@ from pathlib import Path
 import torch
 import yaml
 
-from retropipe.data.stage import PREEMPTED
-from retropipe.launch.cli import SCHEDULER_SIGNALS, config_from_args, engines_verbose, entry_parser, quiet_engines
+from retropipe.data.stage import PREEMPTED, SCHEDULER_SIGNALS
+from retropipe.launch.cli import config_from_args, engines_verbose, entry_parser, quiet_engines
 from retropipe.launch.config import load_config
 from retropipe.launch.train import as_run, run_dir_of
+from retropipe.training.run.config import TrainConfig
 from retropipe.training.run.hardware import too_few_gpus
 from retropipe.training.run.run_dir import run_dir_conflict
 
@@ -151,14 +152,14 @@ def main(argv: list[str] | None = None) -> int:
     # The user's --set win over the demo's; the stages agree on one absolute workdir.
     overrides = [*demo_overrides(workdir), *args.overrides, f"workdir={workdir}"]
     config = str(Path(args.config).resolve())
-    report = load_config(config, overrides).reports_dir / "report.md"
+    demo_cfg = load_config(config, overrides)
     plan = stages(config, str(cfg.data.corpus), overrides, args.nproc, workdir,
-                  "in_context_trained" in load_config(config, overrides).eval.rivals)
+                  "in_context_trained" in demo_cfg.eval.rivals)
     older = older_runs(config, plan)
     if older:
         print(f"demo: error: {older}", file=sys.stderr)
         return 2
-    return run_stages(plan, workdir, report)
+    return run_stages(plan, workdir, demo_cfg.reports_dir / "report.md", grace=demo_cfg.train.preempt_grace)
 
 
 def nproc_refused(nproc: int, cfg) -> str | None:
@@ -169,9 +170,10 @@ def nproc_refused(nproc: int, cfg) -> str | None:
     return f"--nproc {nproc}: {crowded}" if crowded else None
 
 
-def run_stages(plan: list[tuple[str, list[str]]], workdir: Path, report: Path) -> int:
+def run_stages(plan: list[tuple[str, list[str]]], workdir: Path, report: Path,
+               grace: float = TrainConfig.preempt_grace) -> int:
     """Each stage's command in turn, timed; the first that fails stops the demo (exit code 1, or
-    75 where a signal stopped it)."""
+    75 where a signal stopped it; a training stage's ranks get `grace` seconds, train.preempt_grace)."""
     # Not offline mode: the defaults need no network (bundled files), and a hub name given with
     # --set is fetched as the user asked.
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"}
@@ -179,7 +181,7 @@ def run_stages(plan: list[tuple[str, list[str]]], workdir: Path, report: Path) -
     for name, cmd in plan:
         print(f"\n=== {name}: {' '.join(Path(c).name if i == 0 else c for i, c in enumerate(cmd))}", flush=True)
         start = time.perf_counter()
-        code = run_stage(cmd, env)
+        code = run_stage(cmd, env, grace)
         if code == PREEMPTED:
             print(f"demo: stopped by a signal in stage '{name}'; rerun the same command to resume: "
                   f"{' '.join(sys.argv)}", file=sys.stderr)
@@ -194,7 +196,7 @@ def run_stages(plan: list[tuple[str, list[str]]], workdir: Path, report: Path) -
     return 0
 
 
-def run_stage(cmd: list[str], env: dict) -> int:
+def run_stage(cmd: list[str], env: dict, grace: float) -> int:
     """The stage's exit code; PREEMPTED where a signal to the demo stopped it.
 
     The stage runs in a session of its own, and a scheduler's signal or Ctrl-C to the demo goes
@@ -213,15 +215,11 @@ def run_stage(cmd: list[str], env: dict) -> int:
     try:
         code = proc.wait()
         if came and launcher:
-            wait_for_group(proc.pid, timeout=STAGE_GRACE)  # the ranks write their checkpoint
+            wait_for_group(proc.pid, timeout=grace)  # the ranks write their checkpoint
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     return PREEMPTED if came else code
-
-
-# Seconds a stopped training stage's ranks get to finish their step and checkpoint (train.preempt_grace's default).
-STAGE_GRACE = 60.0
 
 
 def wait_for_group(pgid: int, timeout: float) -> None:

@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from retropipe.data.errors import ConfigError, DataError
-from retropipe.data.stage import write_json
-from retropipe.launch.cli import SCHEDULER_SIGNALS, request_stop
+from retropipe.data.stage import SCHEDULER_SIGNALS, write_json
+from retropipe.launch.cli import request_stop, stop_requested
 
 
 class ClusterError(RuntimeError):
@@ -147,8 +147,9 @@ class RayExecutor:
                 ray.shutdown()
                 raise
             finally:
-                for signum, handler in handlers.items():
-                    signal.signal(signum, handler)
+                if not stop_requested():  # after a stop the signals stay ignored (launch/cli.py)
+                    for signum, handler in handlers.items():
+                        signal.signal(signum, handler)
             self.started = True
         return ray
 

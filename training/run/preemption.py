@@ -30,8 +30,7 @@ import torch
 import torch.distributed as dist
 
 from retropipe.data.stage import PREEMPTED  # the exit code of a preempted rank (and of any stopped stage)
-
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+from retropipe.data.stage import SCHEDULER_SIGNALS as SIGNALS
 
 
 class Preemption:
