@@ -2,8 +2,8 @@
 
     python launch/demo.py [--config configs/tiny.yaml] [--set key=value ...] [--nproc 2]
 
-write a second edition of the corpus → prepare data → build the retrieval database (Ray): the
-training split plus the second edition → train the GPT-2 baseline, then RETRO from its weights
+write a second edition of the corpus → prepare data → build the retrieval database (Ray, BM25
+neighbours): the training split plus the second edition → train the GPT-2 baseline, then RETRO from its weights
 (DeepSpeed, `--nproc` processes, `train.pipeline_stages` stages) → evaluate both (bits per byte,
 RETRO on/off/shuffled, leakage, the database-size curve) → generate a sample from each.
 

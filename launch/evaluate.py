@@ -6,7 +6,8 @@
     python launch/evaluate.py --config configs/tiny.yaml --checkpoint runs/tiny/runs/retro --database OTHER/retrieval
 
 A checkpoint is a run directory (its model/ is read) or a model directory. `--device cuda` (or
-`auto` with a GPU visible, the default) loads the models, scores and embeds the queries there.
+`auto` with a GPU visible, the default) loads the models, scores, and (a dense or hybrid database)
+embeds the queries there.
 Writes report.md,
 report.json, config.yaml and PNG plots into --out (default <workdir>/reports) and prints a table.
 `--corpus PATH` evaluates any held-out corpus (prepared with the training tokenizer, every
