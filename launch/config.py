@@ -20,6 +20,7 @@ import yaml
 from retropipe.data.config import DataConfig
 from retropipe.data.errors import ConfigError
 from retropipe.retrieval.config import RetrievalConfig
+from retropipe.retrieval.methods import lexical
 from retropipe.training.evaluation.config import EvalConfig
 from retropipe.training.models.config import ModelConfig
 from retropipe.training.run.config import TrainConfig, resolve_auto_lessons
@@ -180,7 +181,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequenc
             continue
         kwargs[name] = _build_section(name, values or {}, sources.get(name, "--set"))
     cfg = Config(**kwargs)
-    cfg.train = resolve_auto_lessons(cfg.train, cfg.model.retrieves or cfg.model.in_context > 0, cfg.retrieval.method)
+    cfg.train = resolve_auto_lessons(cfg.train, cfg.model.retrieves or cfg.model.in_context > 0,
+                                     lexical(cfg.retrieval.method))
     _validate_across_sections(cfg, str(path) if path else "--set")
     return cfg
 

@@ -170,11 +170,12 @@ class TrainConfig:
 LEXICAL_DISTRACTORS = 0.1
 
 
-def resolve_auto_lessons(train: TrainConfig, reads_neighbours: bool, retrieval_method: str) -> TrainConfig:
+def resolve_auto_lessons(train: TrainConfig, reads_neighbours: bool, lexical: bool) -> TrainConfig:
     """The train section with distractor_neighbours "auto" made a share (validated again).
-    reads_neighbours: the model trains on neighbours (RETRO, or a GPT-2 with them in context)."""
+    reads_neighbours: the model trains on neighbours (RETRO, or a GPT-2 with them in context);
+    lexical: they are found by BM25 (retrieval/methods lexical: bm25, hybrid)."""
     if train.distractor_neighbours != "auto":
         return train
-    share = LEXICAL_DISTRACTORS if reads_neighbours and retrieval_method in ("bm25", "hybrid") else 0.0
+    share = LEXICAL_DISTRACTORS if reads_neighbours and lexical else 0.0
     room = max(1.0 - train.self_neighbours - train.diverging_neighbours, 0.0)  # the shares add up to at most 1
     return dataclasses.replace(train, distractor_neighbours=round(min(share, room), 6))
