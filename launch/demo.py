@@ -111,8 +111,9 @@ def stages(config: str, corpus: str, overrides: list[str], nproc: int, workdir: 
                 "--set", f"model.kind={kind}", "--set", f"train.name={name or kind}", *extra]
 
     def generate(kind: str) -> list[str]:
+        # Greedy: each model's most likely continuation, not one draw that a seed picks.
         return [py, "launch/generate.py", "--config", config, *sets, "--checkpoint", str(runs / kind),
-                "--prompt", PROMPT, "--max-new-tokens", "96", "--seed", "0", "--show-neighbours"]
+                "--prompt", PROMPT, "--max-new-tokens", "96", "--temperature", "0", "--show-neighbours"]
 
     edition = edition_path(workdir)
     return [
