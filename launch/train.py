@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import logging
 import os
 import sys
@@ -192,6 +193,10 @@ def run_distributed(cfg, work, rank: int, world: int, device: str, preemption, p
     # DeepSpeed loads here, once the config and the data are checked: a refused config exits at once.
     from retropipe.training.pipeline.deepspeed_engine import init_distributed, shutdown
 
+    # What is loaded now (torch, DeepSpeed: millions of objects) lives as long as the process, so
+    # full collections may skip it: DeepSpeed's bf16 optimizer runs four as it starts, 1-2 s of
+    # a short run's start-up (docs/benchmarks.md, "Design decisions").
+    gc.freeze()
     timeout = cfg.train.resolved_dist_timeout(device)
     init_distributed(max(timeout, JOIN_TIMEOUT))
     watchdog = Watchdog(rank, world, timeout, on_signal=preemption.request).start() if world > 1 else None
