@@ -116,18 +116,18 @@ def test_compiled_blocks_train_as_the_eager_ones(workdir, reference_run, tmp_pat
     # train.compile: each stage's blocks through torch.compile (C++ from inductor on a CPU), the
     # rest eager; a uniform cut puts a block on each stage, the second behind the cut's unpacking.
     # The other runs here leave dynamo off (TORCHDYNAMO_DISABLE, to skip its import); this one
-    # turns it on, and each rank's inductor cache shows its blocks were built, not run eager.
-    caches = {rank: tmp_path / f"inductor{rank}" for rank in (0, 1)}
+    # turns it on, and the inductor cache shows kernels were built, not run eager. The ranks share
+    # one cache, as they do on one machine by default: a kernel both stages need is built once.
+    cache = tmp_path / "inductor"
     code, log = train(2, ["--config", "configs/tiny-gpt2.yaml", "--no-progress",
                           *sets(f"workdir={workdir}", "train.name=compiled", "train.compile=true",
                                 "train.partition=uniform")],
-                      workdir / "logs-compiled", timeout=400, env={"TORCHDYNAMO_DISABLE": "0"},
-                      rank_env={rank: {"TORCHINDUCTOR_CACHE_DIR": str(c)} for rank, c in caches.items()})
+                      workdir / "logs-compiled", timeout=400,
+                      env={"TORCHDYNAMO_DISABLE": "0", "TORCHINDUCTOR_CACHE_DIR": str(cache)})
     assert code == 0, log[-3000:]
     assert "compile: stage 0: blocks.0 through torch.compile\n" in log, log[-2000:]
     assert "compile: stage 1: blocks.1 through torch.compile\n" in log, log[-2000:]
-    for rank, cache in caches.items():
-        assert any(cache.rglob("*.so")), f"rank {rank}: inductor built no kernel"
+    assert any(cache.rglob("*.so")), "inductor built no kernel"
     compiled, eager = losses(workdir / "runs" / "compiled"), losses(reference_run[0])
     assert compiled.keys() == eager.keys()
     for step in compiled:  # the same training to float rounding (fused kernels sum in another order)
