@@ -193,9 +193,9 @@ def run_distributed(cfg, work, rank: int, world: int, device: str, preemption, p
     # DeepSpeed loads here, once the config and the data are checked: a refused config exits at once.
     from retropipe.training.pipeline.deepspeed_engine import init_distributed, shutdown
 
-    # What is loaded now (torch, DeepSpeed: millions of objects) lives as long as the process, so
-    # full collections may skip it: Python's own as start-up allocates, and in bf16 six that
-    # DeepSpeed's optimizer forces on rank 0; 1-2 s of a short run (docs/benchmarks.md, "Design decisions").
+    # What is loaded now (torch, DeepSpeed: ~200k objects) lives as long as the process, so full
+    # collections may skip it: Python's own as start-up allocates, and in bf16 six that DeepSpeed's
+    # optimizer forces on rank 0; 0.7-1.4 s of a short run (docs/benchmarks.md, "Design decisions").
     gc.freeze()
     timeout = cfg.train.resolved_dist_timeout(device)
     init_distributed(max(timeout, JOIN_TIMEOUT))

@@ -7,8 +7,9 @@ Each run trains a small GPT-2 (2 layers × 32) for 2 steps on 2 processes over g
 stages, ranks spawned as tests/distributed.py spawns them (no launcher): almost all of its time is
 importing torch and DeepSpeed, building the engine and writing the model, the fixed cost every
 training test and each of the demo's training stages pays. Variants alternate, round by round, so
-machine noise hits both. Prints each run's wall and CPU seconds (ranks together), then per
-precision the medians and their ratio. The data: the shipped corpus's first 100 documents.
+machine noise hits both (each first in every other round). Prints each run's wall and CPU seconds
+(ranks together), then per precision the medians and their ratio. The data: the shipped corpus's
+first 100 documents.
 """
 
 from __future__ import annotations
@@ -47,14 +48,16 @@ def run(workdir: Path, name: str, precision: str, freeze: bool) -> tuple[float, 
     head = ["launch/train.py"] if freeze else ["-c", NO_FREEZE]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
            "LOCAL_WORLD_SIZE": "2", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
+    logs = [workdir / "logs" / f"{name}-rank{r}.log" for r in range(2)]
+    logs[0].parent.mkdir(parents=True, exist_ok=True)
     before, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
     procs = [subprocess.Popen([sys.executable, *head, "--config", "configs/tiny-gpt2.yaml", "--no-progress", *sets],
                               cwd=ROOT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for r in range(2)]
-    errors = [p.communicate()[1] for p in procs]
+                              stdout=open(logs[r], "w"), stderr=subprocess.STDOUT) for r in range(2)]
+    codes = [p.wait() for p in procs]
     wall, after = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
-    if any(p.returncode for p in procs):
-        raise SystemExit(f"train_startup: {name} failed:\n" + "\n".join(e[-2000:] for e in errors))
+    if any(codes):
+        raise SystemExit(f"train_startup: {name} failed:\n" + "\n".join(log.read_text()[-2000:] for log in logs))
     return wall, (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
 
 
@@ -74,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     for precision in args.precisions.split(","):
         times = {True: [], False: []}
         for r in range(args.rounds):
-            for freeze in (False, True):
+            for freeze in ((False, True), (True, False))[r % 2]:  # each variant first in every other round
                 wall, cpu = run(workdir, f"{stamp}-{precision}-{r}-{int(freeze)}", precision, freeze)
                 times[freeze].append(wall)
                 print(f"{precision} round {r} {'gc.freeze' if freeze else 'no freeze':9s}  wall {wall:5.2f} s  "

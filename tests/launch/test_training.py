@@ -116,18 +116,23 @@ def test_compiled_blocks_train_as_the_eager_ones(workdir, reference_run, tmp_pat
     # train.compile: each stage's blocks through torch.compile (C++ from inductor on a CPU), the
     # rest eager; a uniform cut puts a block on each stage, the second behind the cut's unpacking.
     # The other runs here leave dynamo off (TORCHDYNAMO_DISABLE, to skip its import); this one
-    # turns it on, and the inductor cache shows kernels were built, not run eager. The ranks share
-    # one cache, as they do on one machine by default: a kernel both stages need is built once.
-    cache = tmp_path / "inductor"
+    # turns it on: the inductor cache shows kernels were built, and each rank's compile trace
+    # (TORCH_TRACE, tlparse's log) that dynamo compiled its block, not ran it eager. The ranks
+    # share one cache, as on one machine by default: a kernel both stages need is built once.
+    cache, traces = tmp_path / "inductor", {rank: tmp_path / f"trace{rank}" for rank in (0, 1)}
     code, log = train(2, ["--config", "configs/tiny-gpt2.yaml", "--no-progress",
                           *sets(f"workdir={workdir}", "train.name=compiled", "train.compile=true",
                                 "train.partition=uniform")],
                       workdir / "logs-compiled", timeout=400,
-                      env={"TORCHDYNAMO_DISABLE": "0", "TORCHINDUCTOR_CACHE_DIR": str(cache)})
+                      env={"TORCHDYNAMO_DISABLE": "0", "TORCHINDUCTOR_CACHE_DIR": str(cache)},
+                      rank_env={rank: {"TORCH_TRACE": str(t)} for rank, t in traces.items()})
     assert code == 0, log[-3000:]
     assert "compile: stage 0: blocks.0 through torch.compile\n" in log, log[-2000:]
     assert "compile: stage 1: blocks.1 through torch.compile\n" in log, log[-2000:]
     assert any(cache.rglob("*.so")), "inductor built no kernel"
+    for rank, trace in traces.items():
+        compiled = any('"dynamo_start"' in f.read_text() for f in trace.glob("*.log"))
+        assert compiled, f"rank {rank}: dynamo compiled nothing"
     compiled, eager = losses(workdir / "runs" / "compiled"), losses(reference_run[0])
     assert compiled.keys() == eager.keys()
     for step in compiled:  # the same training to float rounding (fused kernels sum in another order)
